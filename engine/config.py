@@ -1,0 +1,103 @@
+"""Frozen configuration objects: one per process, validated loudly at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str) -> ModelConfig:
+        """From a Hugging Face ``config.json`` dict (LlamaConfig / Qwen2-style keys)."""
+        eos = hf.get("eos_token_id")
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            name=name,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+# Named shapes for --load-format dummy (random weights of real shapes, for benchmarks and tests).
+DUMMY_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
+    "qwen3-0.6b": ModelConfig(
+        name="qwen3-0.6b", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=None, eos_token_ids=(151645,),
+    ),
+}
+
+
+def dummy_config(spec: str) -> ModelConfig:
+    """A named dummy shape, or a path to a JSON file of ModelConfig or HF config.json keys."""
+    if spec in DUMMY_CONFIGS:
+        return DUMMY_CONFIGS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"--model for --load-format dummy must be one of {sorted(DUMMY_CONFIGS)} or a JSON "
+            f"config file, got {spec!r}"
+        )
+    data = json.loads(path.read_text())
+    if "num_hidden_layers" in data:
+        return ModelConfig.from_hf(data, name=path.stem)
+    data.setdefault("name", path.stem)
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    return ModelConfig(**data)

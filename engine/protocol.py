@@ -1,0 +1,264 @@
+"""Wire messages between gateway and engine (msgpack). Imports no torch: the gateway imports it.
+
+POST /generate takes one msgpack map (:class:`GenerateRequest`) and answers with a stream of
+msgpack maps (:class:`OutputFrame`), one per step that produced something, concatenated (msgpack
+is self-delimiting; read them with ``msgpack.Unpacker``). Frames carry deltas, never whole
+sequences. The last frame of each sequence (``index``) has a ``finish_reason``.
+
+Validation lives here so that the server, the offline mode and the gateway reject the same inputs
+with the same messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+MAX_LOGPROBS = 20
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ProtocolError(ValueError):
+    """A request the engine will not run. ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    n: int = 1
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    salt: str | None = None  # tenant isolation: KV is never shared across salts
+    cache_boundaries: list[int] = field(default_factory=list)  # exact-position prefix boundaries
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_wire())
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class OutputFrame:
+    request_id: str
+    index: int = 0  # which of the n sequences
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the last frame
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "request_id": self.request_id,
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
+        if self.logprobs is not None:
+            wire["logprobs"] = [[lp.logprob, [list(t) for t in lp.top]] for lp in self.logprobs]
+        if self.error is not None:
+            wire["error"] = self.error
+        return wire
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_wire())
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> OutputFrame:
+        logprobs = wire.get("logprobs")
+        return cls(
+            request_id=wire["request_id"],
+            index=wire["index"],
+            token_ids=wire["token_ids"],
+            logprobs=None
+            if logprobs is None
+            else [TokenLogprob(lp, [(int(t), float(v)) for t, v in top]) for lp, top in logprobs],
+            finish_reason=wire["finish_reason"],
+            num_prompt_tokens=wire["num_prompt_tokens"],
+            num_cached_tokens=wire["num_cached_tokens"],
+            error=wire.get("error"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+def _check_int(value: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{name} must be an integer, got {type(value).__name__}", name)
+    if lo is not None and value < lo:
+        raise ProtocolError(f"{name} must be >= {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise ProtocolError(f"{name} must be <= {hi}, got {value}", name)
+    return value
+
+
+def _check_float(value: Any, name: str, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{name} must be a number, got {type(value).__name__}", name)
+    value = float(value)
+    if not math.isfinite(value):
+        raise ProtocolError(f"{name} must be finite", name)
+    if lo is not None and value < lo:
+        raise ProtocolError(f"{name} must be >= {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise ProtocolError(f"{name} must be <= {hi}, got {value}", name)
+    return value
+
+
+def _check_token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{name} must be a list of token ids, got {type(value).__name__}", name)
+    for i, tok in enumerate(value):
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise ProtocolError(f"{name}[{i}] must be an integer token id", name)
+        if not 0 <= tok < vocab_size:
+            raise ProtocolError(
+                f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})", name
+            )
+    return value
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
+
+
+def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingParams:
+    if not isinstance(wire, dict):
+        raise ProtocolError("sampling must be a map", "sampling")
+    unknown = sorted(set(wire) - _SAMPLING_FIELDS, key=str)
+    if unknown:
+        raise ProtocolError(f"unknown sampling field {unknown[0]!r}", str(unknown[0]))
+    p = SamplingParams()
+    if "max_tokens" in wire:
+        p.max_tokens = _check_int(wire["max_tokens"], "max_tokens", lo=1)
+    if prompt_len + p.max_tokens > limits.max_model_len:
+        raise ProtocolError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+            f"context length of {limits.max_model_len} tokens",
+            "max_tokens",
+        )
+    for name, lo, hi in (
+        ("temperature", 0.0, 100.0),
+        ("top_p", 0.0, 1.0),
+        ("min_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("repetition_penalty", 0.0, None),
+    ):
+        if name in wire:
+            setattr(p, name, _check_float(wire[name], name, lo, hi))
+    if p.top_p == 0.0:
+        raise ProtocolError("top_p must be > 0", "top_p")
+    if p.repetition_penalty == 0.0:
+        raise ProtocolError("repetition_penalty must be > 0", "repetition_penalty")
+    if "top_k" in wire:
+        p.top_k = _check_int(wire["top_k"], "top_k", lo=-1)
+    if wire.get("seed") is not None:
+        p.seed = _check_int(wire["seed"], "seed", lo=-(2**63), hi=2**64 - 1)
+    if "stop_token_ids" in wire:
+        p.stop_token_ids = _check_token_ids(wire["stop_token_ids"], "stop_token_ids", limits.vocab_size)
+    if "ignore_eos" in wire:
+        if not isinstance(wire["ignore_eos"], bool):
+            raise ProtocolError("ignore_eos must be a boolean", "ignore_eos")
+        p.ignore_eos = wire["ignore_eos"]
+    if "min_tokens" in wire:
+        p.min_tokens = _check_int(wire["min_tokens"], "min_tokens", lo=0, hi=p.max_tokens)
+    if wire.get("logprobs") is not None:
+        p.logprobs = _check_int(wire["logprobs"], "logprobs", lo=0, hi=MAX_LOGPROBS)
+    if "n" in wire:
+        p.n = _check_int(wire["n"], "n", lo=1, hi=128)
+    if wire.get("logit_bias"):
+        bias = wire["logit_bias"]
+        if not isinstance(bias, dict):
+            raise ProtocolError("logit_bias must be a map of token id to bias", "logit_bias")
+        p.logit_bias = {
+            _check_token_ids([tok], "logit_bias", limits.vocab_size)[0]: _check_float(
+                value, "logit_bias", -100.0, 100.0
+            )
+            for tok, value in bias.items()
+        }
+    return p
+
+
+def parse_generate_request(wire: Any, limits: ModelLimits) -> GenerateRequest:
+    """Validate a decoded request map; raises :class:`ProtocolError` naming the bad field."""
+    if not isinstance(wire, dict):
+        raise ProtocolError(f"request must be a map, got {type(wire).__name__}")
+    unknown = sorted(set(wire) - _REQUEST_FIELDS, key=str)
+    if unknown:
+        raise ProtocolError(f"unknown field {unknown[0]!r}", str(unknown[0]))
+    request_id = wire.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise ProtocolError("request_id must be a non-empty string", "request_id")
+    if "prompt_ids" not in wire:
+        raise ProtocolError("prompt_ids is required", "prompt_ids")
+    prompt_ids = _check_token_ids(wire["prompt_ids"], "prompt_ids", limits.vocab_size)
+    if not prompt_ids:
+        raise ProtocolError("prompt_ids must not be empty", "prompt_ids")
+    sampling = parse_sampling(wire.get("sampling", {}), limits, len(prompt_ids))
+    salt = wire.get("salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ProtocolError("salt must be a string", "salt")
+    boundaries = wire.get("cache_boundaries", [])
+    if not isinstance(boundaries, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 < b <= len(prompt_ids) for b in boundaries
+    ):
+        raise ProtocolError(
+            "cache_boundaries must be a list of token positions within the prompt", "cache_boundaries"
+        )
+    return GenerateRequest(request_id, prompt_ids, sampling, salt, sorted(set(boundaries)))
+
+
+def unpack_generate_request(body: bytes, limits: ModelLimits) -> GenerateRequest:
+    try:
+        wire = msgpack.unpackb(body, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"malformed msgpack body: {exc}") from None
+    return parse_generate_request(wire, limits)

@@ -1,0 +1,132 @@
+"""Torch reference ops. The Triton kernels in this package implement the same signatures.
+
+Layouts (shared by every implementation):
+- a flattened varlen batch: ``num_tokens`` rows; sequence ``i`` owns rows
+  ``query_start_loc[i]:query_start_loc[i+1]`` (its new tokens this step);
+- ``seq_lens[i]``: the sequence's context length *after* this step (cached + new tokens), so its
+  new tokens sit at positions ``seq_lens[i] - q_len_i … seq_lens[i] - 1``;
+- KV cache per layer: ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
+  head_dim]``; ``block_tables[i, j]`` is the physical block of the sequence's ``j``-th logical
+  block; ``slot_mapping[t] = block * block_size + offset`` is where token row ``t`` is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: padding, not stored
+) -> None:
+    """Write each token's K/V into its paged slot (in place)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    seq_lens_cpu: list[int] | None = None,
+    query_start_loc_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Covers decode (one new token), chunked prefill (many new tokens after a cached prefix) and
+    mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype.
+    The ``*_cpu`` lists are optional host copies that spare a device sync.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+    out = torch.empty_like(q)
+    for i, ctx_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (ctx_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        # [heads, tokens, dim] for sdpa; kv heads repeated for GQA.
+        qi = q[q_start:q_end].transpose(0, 1)
+        ki = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        vi = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        if q_len == 1:
+            mask = None  # the single new token sees the whole context
+        else:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
+        out[q_start:q_end] = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=scale
+        ).transpose(0, 1)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (or ``x``), then RMSNorm of it in fp32.
+
+    Returns ``(normed, residual)``; the fused form saves one read and write of the hidden state.
+    """
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype), residual
+
+
+def rope_cos_sin_cache(
+    head_dim: int, max_position: int, theta: float, device=None, dtype=torch.float32
+) -> torch.Tensor:
+    """``[max_position, head_dim]``: cos in the first half, sin in the second (NeoX / HF layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE (HF Llama convention), computed in fp32; returns new q, k."""
+    half = q.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
