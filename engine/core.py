@@ -1,0 +1,249 @@
+"""EngineCore: one loop, three verbs — schedule → run → postprocess. Not thread-safe."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import BlockCounts, KVCacheManager
+from engine.model_runner import ModelRunner, SampledToken, kv_bytes_per_block
+from engine.protocol import GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
+from engine.request import Sequence, Status
+from engine.scheduler import Scheduler
+from kernels import load_ops
+
+log = structlog.get_logger("engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_SALT = "kvgate-warmup"
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.float32 if config.device == "cpu" else torch.bfloat16
+    return _DTYPES[config.dtype]
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (not served from cache)
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    busy_seconds: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        num_blocks = config.num_kv_blocks or int(
+            config.kv_cache_memory_gb * 2**30 // kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, model_config, self.device, self.dtype, num_blocks, config.block_size)
+        self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._held_siblings: dict[str, list[Sequence]] = {}  # n > 1: admitted once seq 0 has prefilled
+        self.counters = EngineCounters()
+        log.info(
+            "kv_cache_ready",
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            kv_tokens=num_blocks * config.block_size,
+            kv_gib=round(num_blocks * kv_bytes_per_block(model_config, config.block_size, self.dtype) / 2**30, 3),
+            max_model_len=self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        from engine.models.loader import load_model
+
+        torch.manual_seed(config.seed)
+        model, model_config = load_model(
+            config.model, config.load_format, torch.device(config.device), resolve_dtype(config),
+            load_ops(config.kernel_backend),
+        )
+        return cls(config, model, model_config)
+
+    # --- requests ------------------------------------------------------------------------
+    def check_admissible(self, request: GenerateRequest) -> None:
+        """Raise ProtocolError if ``request`` can never run here. Reads only immutable state."""
+        total = len(request.prompt_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ProtocolError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the model's context length of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise ProtocolError(
+                f"prompt + max_tokens ({total} tokens) needs more KV cache than this engine has "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens)",
+                "max_tokens",
+            )
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a validated request; raises ProtocolError if it can never run here."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ProtocolError(f"request_id {rid!r} is already running", "request_id")
+        self.check_admissible(request)
+        sampling = request.sampling
+        seqs = [
+            Sequence(
+                rid, i, request.prompt_ids, sampling, request.salt, request.cache_boundaries,
+                self._generator(sampling, i),
+            )
+            for i in range(sampling.n)
+        ]
+        self.requests[rid] = seqs
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            self._held_siblings[rid] = seqs[1:]
+
+    def abort(self, request_id: str) -> list[OutputFrame]:
+        """Finish every unfinished sequence of the request with reason "abort"; frees blocks."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return []
+        held = self._held_siblings.pop(request_id, [])
+        frames = []
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                if seq not in held:
+                    self.scheduler.finish(seq, "abort")
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                frames.append(self._frame(seq))
+        return frames
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the loop ------------------------------------------------------------------------
+    def step(self) -> list[OutputFrame]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched.scheduled)
+        frames = self._postprocess(sched.scheduled, sampled)
+        self.counters.steps += 1
+        self.counters.busy_seconds += time.perf_counter() - t0
+        return frames
+
+    def _postprocess(self, scheduled, sampled: list[SampledToken]) -> list[OutputFrame]:
+        for seq, num_new in scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.counters.prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(seq)
+            siblings = self._held_siblings.get(seq.request_id)
+            if siblings and seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                for sibling in self._held_siblings.pop(seq.request_id):
+                    self.scheduler.add(sibling)
+        frames = []
+        for seq, token_id, logprob in sampled:
+            seq.append_token(token_id)
+            if logprob is not None:
+                seq.pending_logprobs.append(logprob)
+            self.counters.generation_tokens += 1
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            frames.append(self._frame(seq))
+            if reason is not None:
+                self._retire(seq)
+        return frames
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.sampling
+        num_out = len(seq.output_ids)
+        if num_out >= p.min_tokens and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _retire(self, seq: Sequence) -> None:
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and all(s.status is Status.FINISHED for s in seqs):
+            del self.requests[seq.request_id]
+            self.counters.requests_finished += 1
+
+    def _frame(self, seq: Sequence) -> OutputFrame:
+        new_tokens = seq.output_ids[seq.num_sent_tokens :]
+        seq.num_sent_tokens = len(seq.output_ids)
+        logprobs = None
+        if seq.sampling.logprobs is not None:
+            logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        return OutputFrame(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=new_tokens,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _generator(self, sampling: SamplingParams, index: int) -> torch.Generator | None:
+        if sampling.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed((sampling.seed + index) % 2**64)
+        return generator
+
+    # --- introspection -------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for seqs in self.requests.values() for s in seqs if s.status is not Status.FINISHED]
+
+    def check_integrity(self) -> BlockCounts:
+        return self.kv.check_integrity(self.live_sequences())
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "model": self.model_config.name,
+            "block_size": kv.block_size,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.model_config.vocab_size,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting) + sum(map(len, self._held_siblings.values())),
+            "num_requests": len(self.requests),
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_blocks,
+            "kv_usage": round(kv.usage, 4),
+            "prefix_hit_rate": round(kv.prefix_hit_rate, 4),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
+    def warmup(self) -> None:
+        """Run a chunked prefill and a few decodes so the first real request pays no first-call cost."""
+        prompt_len = min(self.config.max_num_batched_tokens, self.max_model_len - 4, 64)
+        request = GenerateRequest(
+            request_id="kvgate-warmup",
+            prompt_ids=[i % self.model_config.vocab_size for i in range(prompt_len)],
+            sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+            salt=WARMUP_SALT,
+        )
+        self.add_request(request)
+        while self.has_work():
+            self.step()

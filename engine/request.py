@@ -1,0 +1,88 @@
+"""Per-sequence state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from engine.protocol import SamplingParams, TokenLogprob
+from prefix_index.hashing import BlockHash, block_hashes
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One generated sequence. A request with ``n > 1`` becomes ``n`` sequences sharing its id.
+
+    Token accounting is unified: ``all_token_ids = prompt + output``; each step computes the KV of
+    ``all_token_ids[num_computed_tokens : num_computed_tokens + k]``. A decode is the case k == 1;
+    a preempted sequence resumes by recomputing prompt and output together.
+    """
+
+    __slots__ = (
+        "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
+        "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
+        "block_ids", "block_hashes", "finish_reason", "pending_logprobs", "num_sent_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        salt: str | None,
+        cache_boundaries: list[int],
+        generator: torch.Generator | None,
+    ):
+        self.request_id = request_id
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.all_token_ids = list(prompt_ids)
+        self.sampling = sampling
+        self.salt = salt
+        self.cache_boundaries = cache_boundaries
+        self.generator = generator
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self.finish_reason: str | None = None
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.num_sent_tokens = 0  # output tokens already streamed out
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of every full block of tokens (prompt and output) known so far."""
+        self.block_hashes = block_hashes(
+            self.all_token_ids, block_size, self.salt, prefix=self.block_hashes
+        )
+        return self.block_hashes
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: drop the KV; prompt and output tokens are recomputed on resumption."""
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []
