@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-2
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -194,6 +195,8 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
     ):
         if name in wire:
             setattr(p, name, _check_float(wire[name], name, lo, hi))
+    if 0.0 < p.temperature < MIN_TEMPERATURE:  # as vLLM: smaller values overflow fp32 softmax
+        p.temperature = MIN_TEMPERATURE
     if p.top_p == 0.0:
         raise ProtocolError("top_p must be > 0", "top_p")
     if p.repetition_penalty == 0.0:

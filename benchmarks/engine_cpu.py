@@ -1,0 +1,169 @@
+"""CPU engine throughput against HF transformers in the same run (SmolLM2-135M GGUF, fp32).
+
+Prints one JSON line per measurement:
+  prefill tok/s (one prompt of --prompt-len tokens), decode tok/s at batch 1 and at --batch,
+  and the sidecar's decode tok/s over HTTP against the same engine offline (the cost of serving).
+Run: .venv/bin/python benchmarks/engine_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.models.loader import default_model_path  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, 12000) for _ in range(length)] for _ in range(n)]
+
+
+def run_engine(core: EngineCore, batch: list[list[int]], max_tokens: int, tag: str) -> float:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(batch):
+        core.add_request(GenerateRequest(f"{tag}-{i}", p, sampling))
+    t0 = time.perf_counter()
+    while core.has_work():
+        core.step()
+    return time.perf_counter() - t0
+
+
+def bench_ours(args, model_path: str) -> dict:
+    cfg = EngineConfig(model=model_path, max_num_batched_tokens=max(args.prompt_len, 2048), num_kv_blocks=2048,
+                       enable_prefix_caching=False)
+    core = EngineCore.from_config(cfg)
+    core.warmup()
+    results = {}
+    (prompt,) = prompts(1, args.prompt_len, 1)
+    t = min(run_engine(core, [prompt], 1, f"pf{r}") for r in range(args.repeats))
+    results["prefill"] = args.prompt_len / t
+    for batch_size in (1, args.batch):
+        batch = prompts(batch_size, 16, 2)
+        t_short = min(run_engine(core, batch, 1, f"d1-{batch_size}-{r}") for r in range(args.repeats))
+        t_long = min(run_engine(core, batch, args.decode_tokens + 1, f"dn-{batch_size}-{r}") for r in range(args.repeats))
+        results[f"decode_b{batch_size}"] = batch_size * args.decode_tokens / (t_long - t_short)
+    return results
+
+
+def bench_hf(args, model_path: str) -> dict:
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    results = {}
+    with torch.inference_mode():
+        ids = torch.tensor(prompts(1, args.prompt_len, 1))
+        model(ids)
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            model(ids)
+            best = min(best, time.perf_counter() - t0)
+        results["prefill"] = args.prompt_len / best
+        for batch_size in (1, args.batch):
+            ids = torch.tensor(prompts(batch_size, 16, 2))
+            mask = torch.ones_like(ids)
+
+            def gen(n: int) -> float:
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+                return time.perf_counter() - t0
+
+            gen(2)
+            t_short = min(gen(1) for _ in range(args.repeats))
+            t_long = min(gen(args.decode_tokens + 1) for _ in range(args.repeats))
+            results[f"decode_b{batch_size}"] = batch_size * args.decode_tokens / (t_long - t_short)
+    return results
+
+
+def bench_served(args, model_path: str) -> float:
+    """Decode tok/s at --batch through the sidecar (streamed msgpack over HTTP)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model", model_path,
+         "--num-kv-blocks", "2048", "--no-prefix-caching", "--log-level", "WARNING"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        batch = prompts(args.batch, 16, 2)
+
+        async def one(client, i, n, tag):
+            req = GenerateRequest(f"{tag}-{i}", batch[i], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            async with client.stream("POST", f"{url}/generate", content=req.pack()) as resp:
+                async for _ in resp.aiter_raw():
+                    pass
+
+        async def run(n, tag):
+            async with httpx.AsyncClient(timeout=600) as client:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(client, i, n, tag) for i in range(args.batch)))
+                return time.perf_counter() - t0
+
+        asyncio.run(run(2, "warm"))
+        t_short = min(asyncio.run(run(1, f"s{r}")) for r in range(args.repeats))
+        t_long = min(asyncio.run(run(args.decode_tokens + 1, f"l{r}")) for r in range(args.repeats))
+        return args.batch * args.decode_tokens / (t_long - t_short)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model_path = str(default_model_path())
+    env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
+    ours = bench_ours(args, model_path)
+    hf = bench_hf(args, model_path)
+    emit(metric="prefill_tok_s", prompt_len=args.prompt_len, kvgate=round(ours["prefill"], 1),
+         hf_transformers=round(hf["prefill"], 1), ratio=round(ours["prefill"] / hf["prefill"], 2), **env)
+    for b in (1, args.batch):
+        key = f"decode_b{b}"
+        emit(metric="decode_tok_s", batch=b, kvgate=round(ours[key], 1), hf_transformers=round(hf[key], 1),
+             ratio=round(ours[key] / hf[key], 2), **env)
+    served = bench_served(args, model_path)
+    emit(metric="served_decode_tok_s", batch=args.batch, sidecar_http=round(served, 1),
+         offline=round(ours[f"decode_b{args.batch}"], 1),
+         ratio=round(served / ours[f"decode_b{args.batch}"], 3), **env)
+
+
+if __name__ == "__main__":
+    main()

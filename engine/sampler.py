@@ -1,0 +1,284 @@
+"""Token sampling for one engine step: logit processors, penalties, filters, seeded draws, logprobs.
+
+Per row, in vLLM's order: logit_bias, then min_tokens masking, then the repetition, frequency and
+presence penalties; then a greedy argmax (temperature 0), or temperature, top-k, top-p, min-p and a
+draw. Logprobs are those of the raw logits, before any of it (vLLM's default ``raw_logprobs``).
+
+Each feature is vectorized over the rows that use it and skipped when none does, so a plain batch
+pays for an argmax, or a softmax and one draw, and little else. Per-token adjustments (bias,
+masking, penalties) touch only the tokens concerned, never a dense ``[num_seqs, vocab]`` mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from engine.protocol import SamplingParams, TokenLogprob
+
+
+class SamplingSeq(Protocol):
+    """What the sampler reads from a sequence. It changes nothing but the state of ``generator``."""
+
+    sampling: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far
+    generator: torch.Generator | None  # per-request, on the logits' device; None: the default one
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # one per row; None where sampling.logprobs is None
+
+
+class Sampler:
+    """Picks one token per row of a step's logits.
+
+    ``logits`` is ``[num_seqs, vocab]`` fp32, row ``i`` belonging to ``seqs[i]``; the sampler uses
+    it as scratch space, so its contents are undefined after a call. A row with a ``generator``
+    draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
+    whatever else is in the batch and wherever its row is. Stateless apart from the EOS ids:
+    one instance may serve any number of steps.
+    """
+
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> SamplerOutput:
+        _check_batch(logits, seqs)
+        logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        # Taken before the processors below write into logits.
+        raw_logprobs = _rows(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
+        greedy_rows, random_rows, weights = self._process(logits, seqs)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            _put(tokens, greedy_rows, _rows(logits, greedy_rows).argmax(-1))
+        if random_rows:
+            _put(tokens, random_rows, _draw(weights, [seqs[i].generator for i in random_rows]))
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            ks = [seqs[i].sampling.logprobs for i in logprob_rows]
+            top = _token_logprobs(raw_logprobs, _rows(tokens, logprob_rows), ks)
+            for i, lp in zip(logprob_rows, top):
+                logprobs[i] = lp
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def probs(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> torch.Tensor:
+        """The distribution each row's token would be drawn from, ``[num_seqs, vocab]``.
+
+        Rows sum to 1; greedy rows are one-hot at their argmax. Draws nothing, so generators do not
+        advance; uses ``logits`` as scratch like ``__call__``. For rejection sampling and tests.
+        """
+        _check_batch(logits, seqs)
+        greedy_rows, random_rows, weights = self._process(logits, seqs)
+        out = torch.zeros_like(logits)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            out[rows, _rows(logits, greedy_rows).argmax(-1)] = 1.0
+        if random_rows:
+            _put(out, random_rows, weights / weights.sum(-1, keepdim=True))
+        return out
+
+    def _process(
+        self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """Everything before the draw. Returns the greedy rows (their final logits left in
+        ``logits``), the random rows, and the random rows' unnormalized sampling probabilities."""
+        self._apply_logit_bias(logits, seqs)
+        self._apply_min_tokens(logits, seqs)
+        _apply_penalties(logits, seqs)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        weights = None
+        if random_rows:
+            params = [seqs[i].sampling for i in random_rows]
+            weights = _filtered_probs(_rows(logits, random_rows), params)
+        return greedy_rows, random_rows, weights
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        biases: list[float] = []
+        for i, s in enumerate(seqs):
+            for token_id, bias in s.sampling.logit_bias.items():
+                rows.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+        if rows:
+            index = _index(rows, token_ids, logits)
+            logits.index_put_(index, _values(biases, logits), accumulate=True)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for i, s in enumerate(seqs):
+            params = s.sampling
+            if len(s.output_ids) < params.min_tokens:
+                eos = () if params.ignore_eos else self.eos_token_ids
+                banned = [*params.stop_token_ids, *eos]
+                rows.extend([i] * len(banned))
+                token_ids.extend(banned)
+        if rows:
+            logits[_index(rows, token_ids, logits)] = float("-inf")
+
+
+def _check_batch(logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(seqs):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match {len(seqs)} sequences"
+        )
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``; ``t`` itself, not a copy, when ``rows`` is every row."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+def _put(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
+    """``dst[rows] = src``, the inverse of :func:`_rows` (a no-op when ``src`` is ``dst``)."""
+    if len(rows) == dst.shape[0]:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(0, torch.tensor(rows, device=dst.device), src)
+
+
+def _index(
+    rows: list[int], token_ids: list[int], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) pairs as an advanced index into ``like``."""
+    return torch.tensor(rows, device=like.device), torch.tensor(token_ids, device=like.device)
+
+
+def _values(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _token_index(
+    rows: list[int], token_lists: list[list[int]], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The (row, token id) pairs of ``token_lists[j]`` in row ``rows[j]``, repeats included, as an
+    advanced index into ``like``; and for each pair, its ``j``."""
+    lengths = torch.tensor([len(t) for t in token_lists])
+    which = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    # numpy reads Python ints several times faster than torch.tensor does.
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
+    device = like.device
+    index = (torch.tensor(rows)[which].to(device), torch.from_numpy(flat).to(device))
+    return index, which.to(device)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
+    """Repetition (HF: over prompt and output, positive logits divided, negative multiplied), then
+    presence and frequency (OpenAI: over output tokens only, subtracted)."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
+    if rows:
+        seen_ids = [seqs[i].prompt_ids + seqs[i].output_ids for i in rows]
+        index, which = _token_index(rows, seen_ids, logits)
+        scales = _values([seqs[i].sampling.repetition_penalty for i in rows], logits)[which]
+        # Gathered before writing, so every copy of a repeated token writes the same value.
+        seen = logits[index]
+        logits[index] = torch.where(seen > 0, seen / scales, seen * scales)
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.sampling.presence_penalty != 0.0 or s.sampling.frequency_penalty != 0.0
+    ]
+    if rows:
+        index, which = _token_index(rows, [seqs[i].output_ids for i in rows], logits)
+        presence = _values([seqs[i].sampling.presence_penalty for i in rows], logits)[which]
+        frequency = _values([seqs[i].sampling.frequency_penalty for i in rows], logits)[which]
+        logits[index] = logits[index] - presence  # once per token: copies write the same value
+        logits.index_put_(index, -frequency, accumulate=True)  # once per occurrence
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p, for rows that sample at random. Returns probabilities
+    that min-p leaves unnormalized (the draw does not need them to sum to 1); writes into logits."""
+    vocab = logits.shape[1]
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        logits.div_(_values(temperatures, logits).unsqueeze(1))
+    # Sorting is the costly part: only rows with a top-k or top-p take part.
+    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if filtered:
+        sub = _rows(logits, filtered)
+        _mask_top_k_top_p(
+            sub,
+            [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered],
+            [params[j].top_p for j in filtered],
+        )
+        _put(logits, filtered, sub)
+    probs = logits.softmax(-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        threshold = probs.amax(-1, keepdim=True) * _values(min_p, probs).unsqueeze(1)
+        probs.masked_fill_(probs < threshold, 0.0)
+    return probs
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+    """Set to -inf, in place, the logits below each row's k-th largest (``top_k`` == vocab: off),
+    then those outside the smallest set of likeliest tokens holding ``top_p`` of what is left.
+    Ties with the cut-off logit stay in; the likeliest token always does."""
+    vocab = logits.shape[1]
+    max_k = max(top_k)
+    # Best first; when every row has a top-k, only the head up to the largest k is needed.
+    if max_k < vocab:
+        head = logits.topk(max_k, dim=-1).values
+    else:
+        head = logits.sort(dim=-1, descending=True).values
+    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
+    num_kept = k
+    if any(p < 1.0 for p in top_p):
+        positions = torch.arange(head.shape[1], device=logits.device)
+        head.masked_fill_(positions >= k, float("-inf"))
+        p = _values(top_p, logits).unsqueeze(1)
+        mass = head.softmax(-1).cumsum(-1)  # of each token and all likelier ones
+        # Token j stays while the likelier ones hold less than top_p: the ones whose running
+        # mass is below top_p, plus the one that reaches it.
+        in_nucleus = ((mass < p).sum(-1, keepdim=True) + 1).clamp_(max=head.shape[1])
+        num_kept = torch.where(p < 1.0, torch.minimum(k, in_nucleus), k)
+    cutoff = head.gather(1, num_kept - 1)
+    logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, row ``j`` drawn with probability proportional to ``weights[j]``.
+    Writes into ``weights``."""
+    uniforms = torch.empty_like(weights)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        uniforms.uniform_()
+    else:
+        # Exactly one vocab-sized draw per seeded row: its stream advances the same in any batch.
+        for j, g in enumerate(generators):
+            if g is not None:
+                uniforms[j].uniform_(generator=g)
+        if unseeded:
+            shape = (len(unseeded), weights.shape[1])
+            _put(uniforms, unseeded, torch.rand(shape, device=weights.device))
+    # Exponential race: with E_i = -log U_i ~ Exp(1), argmax_i w_i / E_i = argmin_i w_i / log U_i
+    # is i with probability w_i / sum(w). A zero weight gives 0, which never beats a negative; the
+    # clamp keeps log U finite, so a lone candidate always wins. Uniforms cost a quarter of what
+    # exponential_() does on CPU.
+    uniforms.clamp_(min=torch.finfo(uniforms.dtype).tiny).log_()
+    return weights.div_(uniforms).argmin(-1)
+
+
+def _token_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]
+) -> list[TokenLogprob]:
+    """Per row: the logprob of ``tokens[j]`` and the ``ks[j]`` best (token, logprob), best first."""
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(sampled[j], list(zip(top_ids[j][:k], top_values[j][:k])))
+        for j, k in enumerate(ks)
+    ]
