@@ -1,0 +1,138 @@
+"""KV cache events: what an engine reports to the prefix index.
+
+The engine emits, once per step, the blocks it made reusable (:class:`BlockStored`), the blocks it
+evicted (:class:`BlockRemoved`) and a full reset (:class:`AllCleared`). A :class:`KVEventBatch`
+carries them with the engine's replica id and its epoch, a number fixed per engine start: the index
+drops a replica's old entries when it sees a new epoch. Everything here is plain data that
+round-trips through msgpack (``to_wire``/``from_wire``) and imports nothing beyond msgpack, so the
+engine core may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from prefix_index.hashing import HASH_BYTES, BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks that became reusable, in chain order: each one's parent is the block before it,
+    and the first one's is ``parent_hash`` (None only for the first block of a sequence). The
+    Redis index relies on these parents to answer lookups by binary search."""
+
+    block_hashes: Sequence[BlockHash]
+    parent_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks evicted from the replica's cache (order does not matter)."""
+
+    block_hashes: Sequence[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The replica dropped its whole prefix cache."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """Events of one replica in the order they happened."""
+
+    replica_id: str
+    epoch: int
+    events: Sequence[KVEvent] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "epoch": self.epoch,
+            "events": [_event_to_wire(e) for e in self.events],
+        }
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_wire())
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> KVEventBatch:
+        """Decode and validate; raises ValueError naming the bad field."""
+        if not isinstance(wire, dict) or not isinstance(wire.get("events"), list):
+            raise ValueError("a KV event batch must be a map with an events list")
+        events = [_event_from_wire(e, i) for i, e in enumerate(wire["events"])]
+        batch = cls(wire.get("replica_id"), wire.get("epoch"), events)
+        check_batch(batch)
+        return batch
+
+    @classmethod
+    def unpack(cls, data: bytes) -> KVEventBatch:
+        return cls.from_wire(msgpack.unpackb(data))
+
+
+def _event_to_wire(event: KVEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return ["stored", list(event.block_hashes), event.parent_hash]
+    if isinstance(event, BlockRemoved):
+        return ["removed", list(event.block_hashes)]
+    if isinstance(event, AllCleared):
+        return ["cleared"]
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def _event_from_wire(wire: Any, i: int) -> KVEvent:
+    kind = wire[0] if isinstance(wire, list) and wire else None
+    if kind == "cleared" and len(wire) == 1:
+        return AllCleared()
+    if kind == "removed" and len(wire) == 2:
+        return BlockRemoved(wire[1])
+    if kind == "stored" and len(wire) == 3:
+        return BlockStored(wire[1], wire[2])
+    raise ValueError(f"events[{i}] is not a KV event: {wire!r:.80}")
+
+
+def check_batch(batch: KVEventBatch) -> None:
+    """Raise ValueError naming the first bad field of ``batch``."""
+    check_replica_id(batch.replica_id)
+    check_epoch(batch.epoch)
+    for i, event in enumerate(batch.events):
+        if isinstance(event, (BlockStored, BlockRemoved)):
+            pack_block_hashes(event.block_hashes, f"events[{i}].block_hashes")
+            if isinstance(event, BlockStored) and event.parent_hash is not None:
+                pack_block_hashes([event.parent_hash], f"events[{i}].parent_hash")
+        elif not isinstance(event, AllCleared):
+            raise ValueError(f"events[{i}] is not a KV event: {type(event).__name__}")
+
+
+def check_replica_id(replica_id: Any) -> None:
+    if not isinstance(replica_id, str) or not replica_id:
+        raise ValueError(f"replica_id must be a non-empty string, got {replica_id!r}")
+
+
+def check_epoch(epoch: Any) -> None:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+
+
+def pack_block_hashes(hashes: Any, name: str = "block_hashes") -> bytes:
+    """Concatenate a list or tuple of block hashes; raise ValueError if it is anything else.
+
+    This runs on every lookup of up to thousands of hashes, so it checks the total length only:
+    any wrong-sized hash shows there unless another one exactly makes up for it.
+    """
+    if isinstance(hashes, (list, tuple)):
+        try:
+            blob = b"".join(hashes)
+        except TypeError:
+            pass
+        else:
+            if len(blob) == HASH_BYTES * len(hashes):
+                return blob
+    raise ValueError(f"{name} must be a list of {HASH_BYTES}-byte block hashes")
