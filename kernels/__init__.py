@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 def load_ops(backend: str) -> ModuleType:
@@ -14,4 +14,8 @@ def load_ops(backend: str) -> ModuleType:
         from kernels import reference
 
         return reference
+    if backend == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
     raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")

@@ -28,8 +28,9 @@ def store_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    flat_shape = (num_blocks * block_size, *k_cache.shape[2:])
+    k_cache.view(flat_shape).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(flat_shape).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -49,9 +50,7 @@ def paged_attention(
     mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype.
     The ``*_cpu`` lists are optional host copies that spare a device sync.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     out = torch.empty_like(q)
@@ -62,20 +61,17 @@ def paged_attention(
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        # [heads, tokens, dim] for sdpa; kv heads repeated for GQA.
-        qi = q[q_start:q_end].transpose(0, 1)
-        ki = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        vi = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        if q_len == 1:
-            mask = None  # the single new token sees the whole context
-        else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
+        # [1, heads, tokens, dim]: 4-D inputs and enable_gqa (no repeated kv heads) let sdpa pick
+        # its fused CPU kernel; 3-D inputs fall back to the unfused math path.
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None]
+        mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
+        if 1 < q_len < ctx_len:  # chunked prefill: causal, aligned to the end of the context
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
         out[q_start:q_end] = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, scale=scale
-        ).transpose(0, 1)
+            q[q_start:q_end].transpose(0, 1)[None], k.to(q.dtype), v.to(q.dtype),
+            attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
+        )[0].transpose(0, 1)
     return out
 
 
@@ -114,7 +110,7 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE (HF Llama convention), computed in fp32; returns new q, k."""
     half = q.shape[-1] // 2
-    cos_sin = cos_sin_cache[positions]
+    cos_sin = cos_sin_cache.index_select(0, positions)
     cos = cos_sin[:, None, :half]
     sin = cos_sin[:, None, half:]
 

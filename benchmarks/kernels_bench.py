@@ -1,0 +1,273 @@
+"""Triton kernels against their torch reference twins and the memory roofline, on CUDA.
+
+Prints one JSON line per measurement: first the device's copy bandwidth measured in this run,
+then each kernel at Llama-3-8B shapes (32 query heads, 8 kv heads, head_dim 128, hidden 4096,
+intermediate 14336, bf16). Times are medians of ``triton.testing.do_bench`` (L2 flushed before
+each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth`` B/s.
+
+    python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep]
+
+``--sweep`` also times alternative attention tile shapes, to tune ``attention_tiles``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+# Run as a script from anywhere: the repository root holds the kernels package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import reference, triton_ops  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+HIDDEN, INTERMEDIATE = 4096, 14336
+DTYPE = torch.bfloat16
+ELEMENT = 2  # bytes per bf16
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXTS = (512, 4096, 32768)
+DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
+PREFILL_SWEEP = [
+    (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2),
+]
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def time_us(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def max_abs_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.float() - expected.float()).abs().max().item()
+
+
+def compare(name: str, bytes_moved: int, bandwidth: float, triton_fn, reference_fn, **fields) -> None:
+    """Times both implementations, checks they agree, and prints one measurement."""
+    err = max(max_abs_err(a, b) for a, b in zip(_as_tuple(triton_fn()), _as_tuple(reference_fn())))
+    triton_us, reference_us = time_us(triton_fn), time_us(reference_fn)
+    roofline_us = bytes_moved / bandwidth * 1e6
+    emit(
+        bench=name, **fields, triton_us=round(triton_us, 2), torch_reference_us=round(reference_us, 2),
+        roofline_us=round(roofline_us, 2), bytes=bytes_moved,
+        triton_fraction_of_roofline=round(roofline_us / triton_us, 3),
+        speedup_vs_reference=round(reference_us / triton_us, 2), max_abs_err=err,
+    )
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def paged_batch(context_lens: list[int], query_lens: list[int], block_size: int):
+    """Llama-shaped q and a paged KV cache whose blocks are scattered over the pool."""
+    num_blocks = sum(math.ceil(n / block_size) for n in context_lens)
+    width = max(math.ceil(n / block_size) for n in context_lens)
+    physical = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    block_tables = torch.zeros((len(context_lens), width), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(context_lens):
+        blocks = math.ceil(n / block_size)
+        block_tables[i, :blocks] = physical[used : used + blocks]
+        used += blocks
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    q = torch.randn((sum(query_lens), NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    args = (
+        q, k_cache, v_cache, block_tables,
+        torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
+        torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        HEAD_DIM**-0.5, list(context_lens), starts,
+    )
+    return args
+
+
+def attention_bytes(context_lens: list[int], query_lens: list[int]) -> int:
+    """K and V of every context read once, q read and the output written once."""
+    kv = sum(context_lens) * NUM_KV_HEADS * HEAD_DIM * ELEMENT * 2
+    return kv + sum(query_lens) * NUM_HEADS * HEAD_DIM * ELEMENT * 2
+
+
+def causal_flops(context_lens: list[int], query_lens: list[int]) -> int:
+    """QK^T and PV over the (query, key) pairs the causal mask keeps."""
+    pairs = sum(q * (c - q) + q * (q + 1) // 2 for c, q in zip(context_lens, query_lens))
+    return 4 * pairs * NUM_HEADS * HEAD_DIM
+
+
+def with_tiles(kind: str, tiles: triton_ops.AttentionTiles, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``attention_tiles`` answering ``tiles`` for ``kind``."""
+    chosen = triton_ops.attention_tiles
+
+    def run():
+        triton_ops.attention_tiles = lambda k, d, t: tiles if k == kind else chosen(k, d, t)
+        try:
+            return fn()
+        finally:
+            triton_ops.attention_tiles = chosen
+
+    return run
+
+
+def bench_copy_bandwidth() -> float:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() / (us * 1e-6)
+    props = torch.cuda.get_device_properties(0)
+    emit(
+        bench="copy_bandwidth", device=props.name, sms=props.multi_processor_count,
+        torch=torch.__version__, triton=triton.__version__, bytes=2 * src.numel(), us=round(us, 2),
+        bytes_per_s=round(bandwidth),
+    )
+    del src, dst
+    return bandwidth
+
+
+def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
+    for batch in DECODE_BATCHES:
+        for context in DECODE_CONTEXTS:
+            contexts, queries = [context] * batch, [1] * batch
+            args = paged_batch(contexts, queries, block_size)
+            capacity = args[3].shape[1] * block_size
+            tiles = triton_ops.attention_tiles("decode", HEAD_DIM, DTYPE)
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits = triton_ops.decode_num_splits(batch, NUM_KV_HEADS, capacity, tiles.block_n, num_sms)
+            compare(
+                "decode_attention", attention_bytes(contexts, queries), bandwidth,
+                lambda: triton_ops.paged_attention(*args), lambda: reference.paged_attention(*args),
+                batch=batch, context=context, block_size=block_size, num_splits=splits,
+                tiles=list(tiles),
+            )
+            if sweep:
+                for block_n, num_warps, num_stages in DECODE_SWEEP:
+                    alt = triton_ops.AttentionTiles(1, block_n, num_warps, num_stages)
+                    us = time_us(with_tiles("decode", alt, lambda: triton_ops.paged_attention(*args)))
+                    roofline_us = attention_bytes(contexts, queries) / bandwidth * 1e6
+                    emit(
+                        bench="decode_attention_sweep", batch=batch, context=context, block_size=block_size,
+                        tiles=list(alt), triton_us=round(us, 2),
+                        triton_fraction_of_roofline=round(roofline_us / us, 3),
+                    )
+            del args
+
+
+def bench_prefill(block_size: int, bandwidth: float, sweep: bool) -> None:
+    for label, contexts, queries in (
+        ("prefill_8k", [8192], [8192]),
+        ("extend_2k_over_6k", [8192], [2048]),
+        ("prefill_4x2k", [2048] * 4, [2048] * 4),
+    ):
+        args = paged_batch(contexts, queries, block_size)
+        flops = causal_flops(contexts, queries)
+        triton_us = time_us(lambda: triton_ops.paged_attention(*args))
+        reference_us = time_us(lambda: reference.paged_attention(*args))
+        err = max_abs_err(triton_ops.paged_attention(*args), reference.paged_attention(*args))
+        fields = dict(bench="prefill_attention", case=label, block_size=block_size, tokens=sum(queries))
+        peer = {}
+        if len(contexts) == 1 and contexts == queries:
+            # FlashAttention through torch on contiguous K/V: the strongest dense peer.
+            q = args[0].transpose(0, 1)[None]
+            k = torch.randn((1, NUM_KV_HEADS, contexts[0], HEAD_DIM), dtype=DTYPE, device="cuda")
+            v = torch.randn_like(k)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            peer_us = time_us(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
+            peer = dict(
+                torch_sdpa_dense_causal_us=round(peer_us, 2), torch_sdpa_tflops=round(flops / peer_us / 1e6, 1)
+            )
+        emit(
+            **fields, triton_us=round(triton_us, 2), torch_reference_us=round(reference_us, 2), **peer,
+            flops=flops, triton_tflops=round(flops / triton_us / 1e6, 1),
+            speedup_vs_reference=round(reference_us / triton_us, 2), max_abs_err=err,
+            tiles=list(triton_ops.attention_tiles("prefill", HEAD_DIM, DTYPE)),
+        )
+        if sweep and label == "prefill_8k":
+            for block_m, block_n, num_warps, num_stages in PREFILL_SWEEP:
+                alt = triton_ops.AttentionTiles(block_m, block_n, num_warps, num_stages)
+                us = time_us(with_tiles("prefill", alt, lambda: triton_ops.paged_attention(*args)))
+                emit(
+                    bench="prefill_attention_sweep", case=label, block_size=block_size, tiles=list(alt),
+                    triton_us=round(us, 2), triton_tflops=round(flops / us / 1e6, 1),
+                )
+        del args
+
+
+def bench_small_ops(block_size: int, bandwidth: float) -> None:
+    for tokens in (64, 8192):
+        kv_shape = (tokens, NUM_KV_HEADS, HEAD_DIM)
+        key, value = (torch.randn(kv_shape, dtype=DTYPE, device="cuda") for _ in range(2))
+        num_blocks = math.ceil(tokens / block_size) + 1
+        slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+        cache_shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        caches = {impl: [torch.zeros(cache_shape, dtype=DTYPE, device="cuda") for _ in range(2)]
+                  for impl in (triton_ops.store_kv, reference.store_kv)}
+
+        def store(impl):
+            impl(key, value, *caches[impl], slots)
+            return tuple(caches[impl])
+
+        kv_bytes = 2 * key.numel() * ELEMENT * 2 + tokens * 8
+        compare(
+            "store_kv", kv_bytes, bandwidth, lambda: store(triton_ops.store_kv), lambda: store(reference.store_kv),
+            tokens=tokens, block_size=block_size,
+        )
+
+        x, residual = (torch.randn((tokens, HIDDEN), dtype=DTYPE, device="cuda") for _ in range(2))
+        weight = torch.randn(HIDDEN, dtype=DTYPE, device="cuda")
+        compare(
+            "rms_norm_fused_residual", 4 * x.numel() * ELEMENT + HIDDEN * ELEMENT, bandwidth,
+            lambda: triton_ops.rms_norm(x, weight, 1e-5, residual),
+            lambda: reference.rms_norm(x, weight, 1e-5, residual), tokens=tokens, hidden=HIDDEN,
+        )
+
+        qkv = torch.randn((tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM), dtype=DTYPE, device="cuda")
+        q = qkv[:, : NUM_HEADS * HEAD_DIM].view(tokens, NUM_HEADS, HEAD_DIM)
+        k = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM]
+        k = k.view(tokens, NUM_KV_HEADS, HEAD_DIM)
+        cos_sin = reference.rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0, device="cuda")
+        positions = torch.randint(0, 131072, (tokens,), device="cuda")
+        rope_bytes = 2 * (q.numel() + k.numel()) * ELEMENT + tokens * (HEAD_DIM * 4 + 8)
+        compare(
+            "rotary_embedding", rope_bytes, bandwidth,
+            lambda: triton_ops.rotary_embedding(positions, q, k, cos_sin),
+            lambda: reference.rotary_embedding(positions, q, k, cos_sin), tokens=tokens,
+        )
+
+        gate_up = torch.randn((tokens, 2 * INTERMEDIATE), dtype=DTYPE, device="cuda")
+        compare(
+            "silu_and_mul", 3 * tokens * INTERMEDIATE * ELEMENT, bandwidth,
+            lambda: triton_ops.silu_and_mul(gate_up), lambda: reference.silu_and_mul(gate_up),
+            tokens=tokens, intermediate=INTERMEDIATE,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative attention tiles")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernels_bench needs a CUDA device")
+    torch.manual_seed(0)
+    bench_copy_bandwidth()
+    bench_decode(args.block_size, args.bandwidth, args.sweep)
+    bench_prefill(args.block_size, args.bandwidth, args.sweep)
+    bench_small_ops(args.block_size, args.bandwidth)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,716 @@
+"""Triton kernels with the signatures of ``kernels/reference.py`` (layouts documented there).
+
+Each op is a host wrapper that checks shapes, dtypes, strides and devices, then launches one or
+two kernels. Lengths (tokens, sequence lengths, query lengths) are runtime values: only head
+counts, head dims, the KV block size, tile shapes and power-of-two buckets are compile-time
+constants, so a new prompt length never triggers a recompilation.
+
+Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the kernels run on CPU
+tensors; the interpreter computes ``tl.dot`` on bf16 storage incorrectly, so there every dot is
+done in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import rope_cos_sin_cache
+
+__all__ = [
+    "store_kv",
+    "paged_attention",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+# Decided once, exactly as triton.jit decides between compiled and interpreted kernels.
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_LOG2E = math.log2(math.e)
+
+# Split-K decode: aim for this many programs per multiprocessor, at most this many splits
+# (a power of two: the reduce kernel's tile).
+_DECODE_PROGRAMS_PER_SM = 4
+_MAX_DECODE_SPLITS = 64
+# The interpreter has no multiprocessors; a small count still exercises split-K on tiny shapes.
+_INTERPRETER_NUM_SMS = 4
+_MAX_HEAD_DIM = 256
+_MAX_ROW_WIDTH = 65536
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side checks
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    _check(t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}")
+
+
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    _check(
+        t.shape[-1] <= 1 or t.stride(-1) == 1,
+        f"{name} must be contiguous in its last dim, got strides {t.stride()}",
+    )
+
+
+def _check_devices(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    first_name, device = next(iter(devices.items()))
+    for name, other in devices.items():
+        _check(other == device, f"{name} is on {other} but {first_name} is on {device}")
+    _check(
+        device.type == "cuda" or _INTERPRETED,
+        f"Triton kernels need CUDA tensors, got {first_name} on {device} "
+        "(set TRITON_INTERPRET=1 before importing triton to run them on the CPU)",
+    )
+
+
+def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t[..., n]`` viewed as ``[a, b, n]`` without a copy: row ``(i, j)`` starts at
+    ``i * stride(0) + j * stride(1)``, so strided 3-d views (q from a fused qkv) need no copy."""
+    _check(t.dim() >= 1, f"{name} must have at least one dim")
+    _check_last_dim_contiguous(name, t)
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    if t.dim() == 3:
+        return t
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows"
+        ) from exc
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# --------------------------------------------------------------------------------------------
+# store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_stride_t, key_stride_h, value_stride_t, value_stride_h,
+    cache_stride_b, cache_stride_s, cache_stride_h,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding row
+        return
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    dst = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s + h * cache_stride_h + d
+    k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+    _check(
+        k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
+        f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
+        f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}",
+    )
+    _check(k_cache.dtype == v_cache.dtype, f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    _check_last_dim_contiguous("k_cache", k_cache)
+    _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, f"head_dim must be <= {_MAX_HEAD_DIM}, got {k_cache.shape[-1]}")
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: padding, not stored
+) -> None:
+    """Write each token's K/V into its paged slot (in place). Slots must lie inside the cache."""
+    _check_kv_cache(k_cache, v_cache)
+    _check_tensor("key", key, 3, _FLOAT_DTYPES)
+    _check_tensor("value", value, 3, _FLOAT_DTYPES)
+    _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
+    num_tokens = key.shape[0]
+    kv_shape = (num_tokens, *k_cache.shape[2:])
+    _check(tuple(key.shape) == kv_shape, f"key must have shape {kv_shape}, got {tuple(key.shape)}")
+    _check(tuple(value.shape) == kv_shape, f"value must have shape {kv_shape}, got {tuple(value.shape)}")
+    _check(
+        tuple(slot_mapping.shape) == (num_tokens,),
+        f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}",
+    )
+    _check_last_dim_contiguous("key", key)
+    _check_last_dim_contiguous("value", value)
+    _check(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
+    _check_devices(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# paged_attention: a decode kernel (one query token, split-K + reduce) and a prefill/extend
+# kernel (a tile of query rows, causal inside the new chunk), sharing one tile step.
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
+    k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1`` (< ``kv_end``),
+    gathered through the block table; with ``CAUSAL`` a row sees only keys ``<= q_pos``."""
+    tok = tile_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, DIM_PAD)
+    tok_ok = tok < kv_end
+    block = tl.load(block_table_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    kv_offsets = block * cache_stride_b + (tok % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
+    kv_ptrs = kv_offsets[:, None] + d[None, :]
+    kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL:
+        s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
+    # Every row sees at least one key of its first tile, so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split: an even share of the context in whole tiles, at least one tile."""
+    share = (seq_len + num_splits - 1) // num_splits
+    return tl.maximum((share + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
+
+
+# The block table's width follows the batch: never specialize on it (nor on the split count).
+@triton.jit(do_not_specialize=["num_splits", "block_tables_stride"])
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, scale_log2, num_splits,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (seq, kv head, split): all GROUP query heads of one kv head over one key range,
+    so each K/V tile is read once per group. With SPLIT it writes a partial (normalized output
+    and log2-sum-exp) for the reduce kernel, else the final output."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = _split_tokens(seq_len, num_splits, BLOCK_N)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if q_len != 1:  # longer queries are the prefill kernel's
+        return
+    if SPLIT:
+        if start >= seq_len:  # no keys; the reduce skips this split
+            return
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    head = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q_row = q_ptr + q_start.to(tl.int64) * q_stride_t
+    q = tl.load(q_row + head[:, None] * q_stride_h + d[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
+    # The one query sits at the last position: the causal test reduces to key < end.
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (end - 1)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, q_pos, tile_start, end, kv_head, block_table_row,
+            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+        )
+    # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        partial = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
+        tl.store(partial_lse_ptr + partial, m_i + tl.log2(l_i), mask=g < GROUP)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+    else:
+        out_row = out_ptr + q_start.to(tl.int64) * out_stride_t
+        tl.store(
+            out_row + head[:, None] * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr, num_splits,
+    out_stride_t, out_stride_h,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (seq, head): merge the partials of the splits that had keys. SPLITS_PAD is the
+    largest split count, so no split count compiles a new variant."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = _split_tokens(seq_len, num_splits, BLOCK_N)
+    num_active = (seq_len + tokens_per_split - 1) // tokens_per_split
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    active = s < num_active
+    partial = (seq * tl.num_programs(1) + head) * num_splits + s
+    lse = tl.load(partial_lse_ptr + partial, mask=active, other=float("-inf"))
+    lse_max = tl.where(num_active > 0, tl.max(lse, 0), 0.0)
+    weights = tl.exp2(lse - lse_max)
+    mask = active[:, None] & (d < HEAD_DIM)[None, :]
+    partial_out = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(partial_out * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out_row = out_ptr + q_start.to(tl.int64) * out_stride_t + head * out_stride_h
+    tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["block_tables_stride"])
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_Q_LEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (head, query tile, seq): BLOCK_M new tokens of one sequence against its paged
+    prefix and, causally, its new chunk. Sequences with fewer than MIN_Q_LEN new tokens exit
+    (the decode kernel takes single-token ones in mixed batches)."""
+    head = tl.program_id(0)
+    # Later query tiles see more keys: start them first.
+    q_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len < MIN_Q_LEN) | (q_tile * BLOCK_M >= q_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, DIM_PAD)
+    q_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
+    q_pos = prefix_len + rows
+    kv_head = head // GROUP
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+
+    # Keys before the tile's first query position are visible to all its rows: no causal mask.
+    unmasked_end = (prefix_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, q_pos, tile_start, seq_len, kv_head, block_table_row,
+            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION,
+        )
+    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, q_pos, tile_start, causal_end, kv_head, block_table_row,
+            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+        )
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+class AttentionTiles(NamedTuple):
+    block_m: int  # query rows per prefill program (unused by decode)
+    block_n: int  # keys per step
+    num_warps: int
+    num_stages: int
+
+
+def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> AttentionTiles:
+    """Tile shapes for ``kind`` ("decode" or "prefill"), sized to stay clear of register spills
+    on sm_90. The interpreter gets small tiles so that tiny test shapes still cross tile and
+    page boundaries."""
+    if _INTERPRETED:
+        return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if kind == "decode":
+        if dtype == torch.float32 or head_dim_pad > 128:
+            return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
+        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=3)
+    if dtype == torch.float32:  # 3xTF32 dots keep three operand splits in registers
+        return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    if head_dim_pad > 128:
+        return AttentionTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    return AttentionTiles(block_m=128, block_n=64, num_warps=4 if head_dim_pad <= 64 else 8, num_stages=3)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Splits of each decode context: enough programs to fill the GPU, at least two tiles each.
+
+    Depends on shapes only (``max_context`` is the block table's capacity), so a CUDA graph
+    captured once stays correct and well split for any lengths it replays with."""
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    by_length = triton.cdiv(max_context, 2 * block_n)
+    return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    seq_lens_cpu: list[int] | None = None,
+    query_start_loc_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context, as the
+    reference. Single-token sequences go to the split-K decode kernel, longer ones to the
+    prefill kernel (both launch for a mixed batch). Without ``query_start_loc_cpu`` the query
+    lengths are read back from the device (a sync: pass it under CUDA graph capture).
+    A sequence with ``seq_lens[i] == 0`` and one query token (a padding row) gets zeros.
+    """
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_kv_cache(k_cache, v_cache)
+    _check_tensor("block_tables", block_tables, 2, _INDEX_DTYPES)
+    _check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES)
+    _check_tensor("query_start_loc", query_start_loc, 1, _INDEX_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    _check(head_dim == cache_head_dim, f"q has head_dim {head_dim} but the KV cache {cache_head_dim}")
+    _check(
+        num_heads % num_kv_heads == 0,
+        f"q's {num_heads} heads must be a multiple of the cache's {num_kv_heads} kv heads",
+    )
+    _check(
+        block_tables.shape[0] == num_seqs,
+        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
+    )
+    _check(
+        query_start_loc.shape[0] == num_seqs + 1,
+        f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}",
+    )
+    _check_last_dim_contiguous("q", q)
+    _check_last_dim_contiguous("block_tables", block_tables)
+    _check(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    _check(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
+    _check_devices(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
+    capacity = block_tables.shape[1] * block_size
+    if seq_lens_cpu is not None:
+        _check(
+            len(seq_lens_cpu) == num_seqs,
+            f"seq_lens_cpu has {len(seq_lens_cpu)} entries for {num_seqs} sequences",
+        )
+        _check(
+            num_seqs == 0 or max(seq_lens_cpu) <= capacity,
+            f"a sequence length of {max(seq_lens_cpu, default=0)} exceeds the block table's "
+            f"capacity of {capacity} tokens",
+        )
+    if query_start_loc_cpu is not None:
+        _check(
+            len(query_start_loc_cpu) == num_seqs + 1,
+            f"query_start_loc_cpu has {len(query_start_loc_cpu)} entries, expected {num_seqs + 1}",
+        )
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+    _check(starts[-1] <= num_tokens, f"query_start_loc ends at {starts[-1]} past q's {num_tokens} tokens")
+    q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    max_q_len = max(q_lens)
+    has_decode = 1 in q_lens
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    cache_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    dot = dict(
+        DOT_DTYPE=tl.float32 if _INTERPRETED else _TL_DTYPES[q.dtype],
+        # fp32 inputs keep fp32 accuracy on the tensor cores (plain tf32 would round them).
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+    )
+    scale_log2 = scale * _LOG2E
+    if has_decode:
+        tiles = attention_tiles("decode", head_dim_pad, q.dtype)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
+        split = num_splits > 1
+        partial_out = partial_lse = out  # unused without split-K
+        if split:
+            partial_out = torch.empty(
+                (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+            )
+            partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+            out, partial_out, partial_lse, scale_log2, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_args,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_N=tiles.block_n, SPLIT=split, **dot,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        if split:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                partial_out, partial_lse, out, seq_lens, query_start_loc, num_splits,
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, DIM_PAD=head_dim_pad,
+                SPLITS_PAD=_MAX_DECODE_SPLITS, BLOCK_N=tiles.block_n,
+                num_warps=4,
+            )
+    if max_q_len > 1:
+        tiles = attention_tiles("prefill", head_dim_pad, q.dtype)
+        _prefill_attention_kernel[(num_heads, triton.cdiv(max_q_len, tiles.block_m), num_seqs)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+            scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_args,
+            GROUP=group, HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=2 if has_decode else 1, **dot,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm, rotary_embedding, silu_and_mul
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, width, rows_inner,
+    x_stride0, x_stride1, residual_stride0, residual_stride1,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + outer * x_stride0 + inner * x_stride1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual_row = residual_ptr + outer * residual_stride0 + inner * residual_stride1
+        residual = tl.load(residual_row + cols, mask=mask, other=0.0)
+        # Rounded to the activation dtype before the norm, as the reference's ``x + residual``.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * width + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / width + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (xf * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden] (any leading dims; last dim contiguous)
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (or ``x``), then RMSNorm of it in fp32; returns new
+    ``(normed, residual)`` tensors (``residual`` is ``x`` itself when none is given)."""
+    _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
+    rows = _as_rows(x, "x")
+    width = x.shape[-1]
+    _check(width <= _MAX_ROW_WIDTH, f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
+    _check_tensor("weight", weight, 1, _FLOAT_DTYPES)
+    _check(tuple(weight.shape) == (width,), f"weight must have shape ({width},), got {tuple(weight.shape)}")
+    _check(weight.is_contiguous(), "weight must be contiguous")
+    residual_rows = rows
+    if residual is not None:
+        _check(
+            isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
+            f"residual must match x ({tuple(x.shape)}, {x.dtype})",
+        )
+        residual_rows = _as_rows(residual, "residual")
+        _check_devices(x=x, residual=residual, weight=weight)
+    else:
+        _check_devices(x=x, weight=weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else x
+    num_rows = rows.shape[0] * rows.shape[1]
+    if num_rows == 0 or width == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(width)
+    _rms_norm_kernel[(num_rows,)](
+        rows, residual_rows, weight, out, residual_out, eps, width, rows.shape[1],
+        rows.stride(0), rows.stride(1), residual_rows.stride(0), residual_rows.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr, src_stride_h, dst_ptr, cos, sin,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    j = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < NUM_HEADS) & (j < HALF)
+    src = src_ptr + h * src_stride_h + j
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + h * (2 * HALF) + j
+    tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_sin_stride,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    """Program (token): cos/sin of its position loaded once, applied to all q and k heads."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)[None, :]
+    cos_sin = cos_sin_ptr + position * cos_sin_stride + j
+    cos = tl.load(cos_sin, mask=j < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin + HALF, mask=j < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * q_stride_t, q_stride_h, q_out_ptr + token * (NUM_HEADS * 2 * HALF), cos, sin,
+        NUM_HEADS, HEADS_PAD, HALF, HALF_PAD,
+    )
+    _rotate_heads(
+        k_ptr + token * k_stride_t, k_stride_h, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF), cos, sin,
+        NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE computed in fp32; returns new contiguous q, k. ``q``/``k`` may be
+    strided views (of a fused qkv). Positions must lie inside the cache."""
+    _check_tensor("positions", positions, 1, _INDEX_DTYPES)
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("k", k, 3, _FLOAT_DTYPES)
+    _check_tensor("cos_sin_cache", cos_sin_cache, 2, _FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    _check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    _check(
+        k.shape[0] == num_tokens and k.shape[2] == head_dim,
+        f"k must have shape ({num_tokens}, num_kv_heads, {head_dim}), got {tuple(k.shape)}",
+    )
+    _check(
+        tuple(positions.shape) == (num_tokens,),
+        f"positions must have shape ({num_tokens},), got {tuple(positions.shape)}",
+    )
+    _check(
+        cos_sin_cache.shape[1] == head_dim,
+        f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
+    )
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        _check_last_dim_contiguous(name, t)
+    _check(positions.is_contiguous(), "positions must be contiguous")
+    _check_devices(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos_sin_cache, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+        NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, rows_inner, x_stride0, x_stride1, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    x_row = x_ptr + (row // rows_inner) * x_stride0 + (row % rows_inner) * x_stride1
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * d + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SILU_BLOCK = 1024
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d``, computed in fp32."""
+    _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
+    _check(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"x's last dim must be even, got shape {tuple(x.shape)}")
+    rows = _as_rows(x, "x")
+    _check_devices(x=x)
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    num_rows = rows.shape[0] * rows.shape[1]
+    if num_rows == 0 or d == 0:
+        return out
+    block = min(_SILU_BLOCK, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
+        rows, out, d, rows.shape[1], rows.stride(0), rows.stride(1), BLOCK=block, num_warps=4,
+    )
+    return out
+

@@ -1,0 +1,493 @@
+"""Triton kernels against their torch reference twins.
+
+Without CUDA the kernels run under the Triton interpreter on tiny shapes. ``triton.language``'s
+own helpers (``tl.zeros``, ``tl.max``, ...) are jit functions too, so the interpreter must be on
+when triton is first imported: this module imports it that way, and sets ``TRITON_INTERPRET``
+only during the import and its own tests. With CUDA, the ``gpu`` tests run the compiled kernels
+on larger shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+with pytest.MonkeyPatch.context() as _mp:
+    if INTERPRETED:
+        _mp.setenv("TRITON_INTERPRET", "1")
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import load_ops, reference, triton_ops
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# One unit in the last place of the output dtype: the interpreter computes in fp32 and rounds once.
+ULP = {torch.float32: 2e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+# Compiled attention feeds bf16/fp16 probabilities to the tensor cores and sums in another order.
+GPU_ATTENTION_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def gpu(test):
+    """Marks ``test`` as a ``gpu`` test: it runs the compiled kernels, so it needs CUDA."""
+    skip = pytest.mark.skipif(INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels")
+    return pytest.mark.gpu(skip(test))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_env():
+    """TRITON_INTERPRET=1 while this module's tests run (triton reads it again at first launch)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if INTERPRETED:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture
+def ops():
+    """The Triton op set, interpreted: its kernels run on CPU tensors."""
+    if not INTERPRETED:
+        pytest.skip("CUDA is present: the gpu tests run the compiled kernels")
+    if not (triton_ops._INTERPRETED and isinstance(triton.language.zeros, InterpretedFunction)):
+        pytest.fail(
+            "triton was imported before this module could turn the interpreter on; "
+            "run pytest with TRITON_INTERPRET=1 in the environment"
+        )
+    return triton_ops
+
+
+def assert_rounded_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal after one rounding to ``expected``'s dtype; the interpreter truncates fp32 to bf16
+    where the GPU rounds to nearest, so there bf16 may differ by one unit in the last place."""
+    if INTERPRETED and expected.dtype == torch.bfloat16:
+        assert_close(actual, expected, rtol=ULP[torch.bfloat16], atol=0)
+    else:
+        assert torch.equal(actual, expected)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------------------------
+# Paged attention batches
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+    scale: float
+
+    def run(self, paged_attention, with_cpu_lists: bool = True) -> torch.Tensor:
+        lists = (self.seq_lens_cpu, self.query_start_loc_cpu) if with_cpu_lists else (None, None)
+        return paged_attention(
+            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+            self.query_start_loc, self.scale, *lists,
+        )
+
+    def reference_fp32(self) -> torch.Tensor:
+        """The reference on the same (rounded) inputs, computed in fp32."""
+        return reference.paged_attention(
+            self.q.float(), self.k_cache.float(), self.v_cache.float(), self.block_tables,
+            self.seq_lens, self.query_start_loc, self.scale,
+        )
+
+
+def make_batch(
+    context_lens: list[int],
+    query_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 1,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    extra_table_blocks: int = 0,
+    device: str = "cpu",
+    seed: int = 0,
+) -> Batch:
+    """Random q and caches; each sequence's blocks scattered over a pool with spare blocks, so a
+    wrong gather reads other data. Unused block-table entries point at a spare block."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    table_width = max(max(blocks_per_seq), 1) + extra_table_blocks
+    physical = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    block_tables = torch.full((len(context_lens), table_width), physical[-1], dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = torch.tensor(physical[:n], dtype=torch.int32)
+        physical = physical[n:]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    num_heads = num_kv_heads * group
+    num_tokens = sum(query_lens)
+    # q as a strided view of a fused qkv projection, as the model produces it.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=device)
+    q = qkv.to(dtype)[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return Batch(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens_cpu=list(context_lens), query_start_loc_cpu=starts,
+        scale=head_dim**-0.5,
+    )
+
+
+def check_attention(paged_attention, batch: Batch, rtol: float, with_cpu_lists: bool = True) -> None:
+    out = batch.run(paged_attention, with_cpu_lists)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    # Only rows that belong to a sequence are defined (as in the reference).
+    rows = batch.query_start_loc_cpu[-1]
+    assert_close(out[:rows], batch.reference_fp32()[:rows].to(batch.q.dtype), rtol=rtol, atol=max(rtol / 4, 1e-5))
+
+
+# (query-head group, block size): every GQA ratio and both block sizes, without the full product.
+GQA_BLOCKS = [(1, 16), (3, 64), (4, 16), (8, 64)]
+DECODE_CONTEXTS = [1, 17, 64, 99]  # a single key, block boundaries, an odd multi-block length
+# (context length, new tokens): a fresh prompt, chunks over cached prefixes, a decode, an idle row.
+MIXED = [(64, 64), (50, 33), (100, 3), (20, 1), (30, 0)]
+
+
+def kv_heads_for(group: int) -> int:
+    return 2 if group < 8 else 1  # two kv heads test the head mapping; fewer keep the interpreter quick
+
+
+@pytest.mark.parametrize("group, block_size", GQA_BLOCKS)
+def test_decode_attention(ops, group, block_size):
+    batch = make_batch(
+        DECODE_CONTEXTS, [1] * 4, num_kv_heads=kv_heads_for(group), group=group, block_size=block_size
+    )
+    check_attention(ops.paged_attention, batch, ULP[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "context_lens, extra_table_blocks, expected_splits",
+    [
+        ([40, 9], 0, 1),  # a 64-token capacity fits one split
+        ([333, 70], 0, 4),  # the short context leaves its last split empty
+        ([5, 20], 30, 4),  # splits sized by table capacity: most get no keys
+    ],
+)
+def test_decode_attention_split_k(ops, context_lens, extra_table_blocks, expected_splits):
+    batch = make_batch(context_lens, [1, 1], group=4, extra_table_blocks=extra_table_blocks)
+    capacity = batch.block_tables.shape[1] * batch.k_cache.shape[1]
+    tiles = ops.attention_tiles("decode", 32, torch.float32)
+    assert ops.decode_num_splits(2, 2, capacity, tiles.block_n, ops._num_sms(batch.q.device)) == expected_splits
+    check_attention(ops.paged_attention, batch, ULP[torch.float32])
+
+
+@pytest.mark.parametrize("group, block_size", GQA_BLOCKS)
+def test_mixed_attention(ops, group, block_size):
+    contexts, queries = zip(*MIXED)
+    batch = make_batch(
+        list(contexts), list(queries), num_kv_heads=kv_heads_for(group), group=group, block_size=block_size
+    )
+    check_attention(ops.paged_attention, batch, ULP[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", [[(17, 1), (99, 1)], MIXED[:4]], ids=["decode", "mixed"])
+def test_attention_half_precision(ops, layout, dtype):
+    contexts, queries = zip(*layout)
+    batch = make_batch(list(contexts), list(queries), num_kv_heads=1, group=4, dtype=dtype, seed=1)
+    check_attention(ops.paged_attention, batch, ULP[dtype])
+
+
+def test_attention_padded_head_dim(ops):
+    contexts, queries = zip(*MIXED)
+    batch = make_batch(list(contexts), list(queries), num_kv_heads=1, group=3, head_dim=24, seed=3)
+    check_attention(ops.paged_attention, batch, ULP[torch.float32])
+
+
+def test_attention_without_cpu_lists(ops):
+    contexts, queries = zip(*MIXED[:4])
+    batch = make_batch(list(contexts), list(queries), group=3, block_size=64, seed=2)
+    check_attention(ops.paged_attention, batch, ULP[torch.float32], with_cpu_lists=False)
+
+
+@pytest.mark.parametrize("extra_table_blocks", [0, 10], ids=["one-split", "split-k"])
+def test_decode_padding_row_gives_zeros(ops, extra_table_blocks):
+    batch = make_batch([0, 21], [1, 1], group=2, extra_table_blocks=extra_table_blocks)
+    out = batch.run(ops.paged_attention)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert_close(out[1], batch.reference_fp32()[1], rtol=ULP[torch.float32])
+
+
+def test_attention_rejects_bad_inputs(ops):
+    batch = make_batch([5, 9], [1, 1], group=2)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="multiple of the cache's 2 kv heads"):
+        ops.paged_attention(batch.q[:, :3], *args)
+    with pytest.raises(ValueError, match="head_dim 16 but the KV cache 32"):
+        ops.paged_attention(batch.q[..., :16], *args)
+    with pytest.raises(ValueError, match="q must have dtype"):
+        ops.paged_attention(batch.q.double(), *args)
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        ops.paged_attention(batch.q.transpose(0, 2).contiguous().transpose(0, 2), *args)
+    with pytest.raises(ValueError, match="k_cache and v_cache must share"):
+        ops.paged_attention(batch.q, batch.k_cache, batch.v_cache[:-1], *args[2:])
+    with pytest.raises(ValueError, match="exceeds the block table's capacity of 16"):
+        ops.paged_attention(batch.q, *args, seq_lens_cpu=[5, 17], query_start_loc_cpu=[0, 1, 2])
+
+
+def test_compiled_kernels_reject_cpu_tensors(ops, monkeypatch):
+    monkeypatch.setattr(ops, "_INTERPRETED", False)
+    with pytest.raises(ValueError, match="Triton kernels need CUDA tensors, got x on cpu"):
+        ops.silu_and_mul(torch.randn(4, 8))
+
+
+# --------------------------------------------------------------------------------------------
+# store_kv, rms_norm, rotary_embedding, silu_and_mul
+
+
+def run_store_kv(store_kv, num_tokens, num_kv_heads, head_dim, block_size, key_dtype, cache_dtype, device):
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = math.ceil(num_tokens / block_size) + 2
+    width = (2 * num_kv_heads + 1) * head_dim
+    kv = torch.randn(num_tokens, width, generator=gen).to(key_dtype)
+    # Strided views of a fused projection; every third token is padding (slot -1).
+    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(cache_dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    to = dict(device=device)
+    k_cache, v_cache = k_cache.to(**to), v_cache.to(**to)
+    store_kv(key.to(**to), value.to(**to), k_cache, v_cache, slots.to(**to))
+    assert_rounded_equal(k_cache.cpu(), expected_k)
+    assert_rounded_equal(v_cache.cpu(), expected_v)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(
+    "key_dtype, cache_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+     (torch.float32, torch.bfloat16)],
+)
+def test_store_kv(ops, key_dtype, cache_dtype, block_size):
+    run_store_kv(ops.store_kv, 21, 3, 24, block_size, key_dtype, cache_dtype, "cpu")
+
+
+def test_store_kv_rejects_bad_inputs(ops):
+    key = torch.randn(4, 2, 8)
+    cache = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping must have dtype"):
+        ops.store_kv(key, key, cache, cache, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"value must have shape \(4, 2, 8\)"):
+        ops.store_kv(key, key[:, :1], cache, cache, torch.zeros(4, dtype=torch.int64))
+
+
+def rms_norm_inputs(shape, dtype, with_residual, strided, device="cpu"):
+    gen = torch.Generator().manual_seed(4)
+    width = shape[-1]
+    x = torch.randn(*shape[:-1], 2 * width if strided else width, generator=gen).to(dtype)[..., :width]
+    residual = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    to = dict(device=device)
+    return x.to(**to), weight.to(**to), None if residual is None else residual.to(**to)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape, strided", [((7, 72), False), ((3, 4, 40), True)], ids=["2d", "3d-strided"])
+def test_rms_norm(ops, dtype, with_residual, shape, strided):
+    x, weight, residual = rms_norm_inputs(shape, dtype, with_residual, strided)
+    normed, new_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    if residual is None:
+        assert new_residual is x
+    else:  # one rounding of the same fp32 sum
+        assert_rounded_equal(new_residual, x + residual)
+    assert_close(normed, reference.rms_norm(new_residual, weight, 1e-5)[0], rtol=ULP[dtype])
+
+
+def test_rms_norm_rejects_bad_inputs(ops):
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        ops.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="residual must match x"):
+        ops.rms_norm(x, torch.ones(8), 1e-5, x.half())
+
+
+def rotary_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, cache_dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    cache = reference.rope_cos_sin_cache(head_dim, 4096, 10000.0, dtype=cache_dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    to = dict(device=device)
+    return positions.to(**to), q.to(**to), k.to(**to), cache.to(**to)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, cache_dtype",
+    [(4, 2, 16, torch.float32), (9, 3, 64, torch.float32), (6, 6, 32, torch.bfloat16)],
+)
+def test_rotary_embedding(ops, dtype, num_heads, num_kv_heads, head_dim, cache_dtype):
+    inputs = rotary_inputs(9, num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
+    q, k = ops.rotary_embedding(*inputs)
+    expected_q, expected_k = reference.rotary_embedding(*inputs)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert_close(q, expected_q, rtol=ULP[dtype])
+    assert_close(k, expected_k, rtol=ULP[dtype])
+
+
+def test_rotary_embedding_rejects_bad_inputs(ops):
+    positions, q, k, cache = rotary_inputs(3, 2, 1, 16, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match=r"cos_sin_cache must have shape \(max_position, 16\)"):
+        ops.rotary_embedding(positions, q, k, cache[:, :8])
+    with pytest.raises(ValueError, match="positions must have dtype"):
+        ops.rotary_embedding(positions.float(), q, k, cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 80), (2, 3, 2 * 1100)])
+def test_silu_and_mul(ops, dtype, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(dtype) * 4
+    out = ops.silu_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+    assert_close(out, reference.silu_and_mul(x.float()).to(dtype), rtol=ULP[dtype])
+
+
+def test_silu_and_mul_rejects_odd_width(ops):
+    with pytest.raises(ValueError, match="last dim must be even"):
+        ops.silu_and_mul(torch.randn(3, 7))
+
+
+def test_load_ops_triton():
+    ops = load_ops("triton")
+    assert ops is triton_ops
+    names = ("store_kv", "paged_attention", "rms_norm", "rope_cos_sin_cache", "rotary_embedding", "silu_and_mul")
+    for name in names:
+        assert callable(getattr(ops, name)), name
+    assert ops.rope_cos_sin_cache is reference.rope_cos_sin_cache
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the compiled kernels on larger shapes
+
+
+def random_contexts(num_seqs: int, low: int, high: int, seed: int) -> list[int]:
+    return torch.randint(low, high + 1, (num_seqs,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# (query-head group, block size, head dim, dtype): the GQA shapes of SmolLM2 (3), Qwen3-0.6B (2)
+# and Llama 3 8B (4) over every block size, MHA and group 8, and the other dtypes once.
+GPU_CONFIGS = [
+    (1, 16, 128, torch.bfloat16), (2, 16, 128, torch.bfloat16), (3, 64, 64, torch.bfloat16),
+    (4, 128, 128, torch.bfloat16), (4, 256, 64, torch.bfloat16), (8, 64, 128, torch.bfloat16),
+    (4, 16, 128, torch.float16), (4, 16, 128, torch.float32),
+]
+
+
+@gpu
+@pytest.mark.parametrize("group, block_size, head_dim, dtype", GPU_CONFIGS)
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_gpu_attention_batch(kind, group, block_size, head_dim, dtype):
+    contexts = random_contexts(64, 1, 4096, seed=block_size + group)
+    queries = [1] * 64
+    if kind == "mixed":  # a fresh prompt, a chunk over a cached prefix, an idle row, decodes
+        contexts[:3], queries[:3] = [1000, 6144, 77], [1000, 2048, 0]
+    batch = make_batch(
+        contexts, queries, num_kv_heads=8, group=group, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device="cuda",
+    )
+    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("extra_table_blocks", [0, 100])
+def test_gpu_attention_long_context_split_k(dtype, block_size, extra_table_blocks):
+    batch = make_batch(
+        [8191, 16384, 32768], [1, 1, 1], num_kv_heads=8, group=4, head_dim=128,
+        block_size=block_size, dtype=dtype, extra_table_blocks=extra_table_blocks, device="cuda",
+    )
+    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_attention_long_prefill(block_size):
+    batch = make_batch(
+        [8192, 12000], [8192, 1500], num_kv_heads=8, group=4, head_dim=128, block_size=block_size,
+        dtype=torch.bfloat16, device="cuda",
+    )
+    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[torch.bfloat16])
+
+
+@gpu
+def test_gpu_attention_no_recompile_for_new_lengths(monkeypatch):
+    def launch(contexts, queries):
+        batch = make_batch(
+            contexts, queries, num_kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, device="cuda"
+        )
+        batch.run(triton_ops.paged_attention)
+
+    launch([100, 2000], [1, 1])
+    launch([300, 5000], [300, 1])
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw["repr"]))
+    launch([777, 3001], [1, 1])
+    launch([513, 4097], [129, 1])
+    launch([64, 4096], [17, 1])
+    assert compiled == []
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_store_kv(dtype, block_size):
+    run_store_kv(triton_ops.store_kv, 8192, 8, 128, block_size, dtype, dtype, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_rms_norm(dtype, with_residual):
+    x, weight, residual = rms_norm_inputs((4096, 4096), dtype, with_residual, strided=False, device="cuda")
+    normed, new_residual = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    expected_normed, expected_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, expected_residual)
+    assert_close(normed, expected_normed, rtol=ULP[dtype], atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rotary_embedding(dtype):
+    inputs = rotary_inputs(8192, 32, 8, 128, dtype, torch.float32, device="cuda")
+    q, k = triton_ops.rotary_embedding(*inputs)
+    expected_q, expected_k = reference.rotary_embedding(*inputs)
+    assert_close(q, expected_q, rtol=ULP[dtype], atol=1e-4)
+    assert_close(k, expected_k, rtol=ULP[dtype], atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_silu_and_mul(dtype):
+    x = torch.randn(4096, 2 * 14336, device="cuda").to(dtype)
+    expected = reference.silu_and_mul(x.float()).to(dtype)
+    assert_close(triton_ops.silu_and_mul(x), expected, rtol=ULP[dtype], atol=1e-4)
