@@ -32,6 +32,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--kernel-backend", default="torch", help="kernel op set: torch (default)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling (default: 0)")
+    g.add_argument("--index-url", default=None,
+                   help="publish KV cache events to this prefix index (redis://host:6379/0); default: none")
+    g.add_argument("--replica-id", default="engine-0",
+                   help="this engine's id in the prefix index and /stats (default: engine-0)")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of the JSON logs on stderr (default: INFO)")
 
@@ -56,6 +60,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kernel_backend=args.kernel_backend,
         seed=args.seed,
+        index_url=args.index_url,
+        replica_id=args.replica_id,
     )
 
 

@@ -120,6 +120,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernel_backend: str = "torch"
     seed: int = 0
+    index_url: str | None = None  # prefix index to publish KV events to (memory:// or redis://)
+    replica_id: str = "engine-0"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")

@@ -50,7 +50,9 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or int(
             config.kv_cache_memory_gb * 2**30 // kv_bytes_per_block(model_config, config.block_size, self.dtype)
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, self.device, self.dtype, num_blocks, config.block_size)
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
@@ -219,6 +221,7 @@ class EngineCore:
         kv = self.kv
         return {
             "model": self.model_config.name,
+            "replica_id": self.config.replica_id,
             "block_size": kv.block_size,
             "max_model_len": self.max_model_len,
             "vocab_size": self.model_config.vocab_size,

@@ -13,12 +13,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from engine.request import Sequence
+from prefix_index.events import BlockRemoved, BlockStored, KVEvent
 from prefix_index.hashing import BlockHash
-
-
-class KVEvents(NamedTuple):
-    stored: list[BlockHash]
-    removed: list[BlockHash]
 
 
 class BlockCounts(NamedTuple):
@@ -34,17 +30,21 @@ class IntegrityError(AssertionError):
 class KVCacheManager:
     """Owns block ids, never the KV tensors. Not thread-safe: the engine loop alone calls it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+    ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.record_events = record_events  # only when a publisher drains them
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
-        self._stored: list[BlockHash] = []
+        self.parent_of: dict[BlockHash, BlockHash | None] = {}  # of every cached hash (index resyncs)
+        self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
         self._registered: dict[tuple[str, int], int] = {}  # sequence key -> blocks hashed so far
         self.prefix_queries = 0  # prompt tokens looked up
@@ -133,7 +133,10 @@ class KVCacheManager:
             if self.block_hash[block_id] is None and block_hash not in self.cached:
                 self.block_hash[block_id] = block_hash
                 self.cached[block_hash] = block_id
-                self._stored.append(block_hash)
+                self.parent_of[block_hash] = hashes[i - 1] if i else None
+        if self.record_events:
+            self._flush_removed()  # keep events in the order they happened
+            self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
         self._registered[seq.key] = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -145,22 +148,33 @@ class KVCacheManager:
         seq.block_ids = []
         self._registered.pop(seq.key, None)
 
-    def drain_events(self) -> KVEvents:
-        events = KVEvents(self._stored, self._removed)
-        self._stored, self._removed = [], []
+    def drain_events(self) -> list[KVEvent]:
+        """KV events since the last call, in order (for the prefix index publisher)."""
+        self._flush_removed()
+        events, self._events = self._events, []
         return events
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """Every hash the pool can serve now (for a full resync of the prefix index)."""
-        return list(self.cached)
+    def snapshot(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        """(hash, parent) of every block the pool can serve now, for a full index resync.
+
+        Called from the publisher's thread: ``list()`` of a dict is atomic under the GIL.
+        """
+        return list(self.parent_of.items())
+
+    def _flush_removed(self) -> None:
+        if self._removed:
+            self._events.append(BlockRemoved(self._removed))
+            self._removed = []
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self.cached[block_hash]
+            del self.parent_of[block_hash]
             self.block_hash[block_id] = None
-            self._removed.append(block_hash)
+            if self.record_events:
+                self._removed.append(block_hash)
         self.ref_cnt[block_id] = 1
         return block_id
 

@@ -72,8 +72,10 @@ class _Stream:
 class EngineLoop:
     """Owns the EngineCore in a dedicated thread. Thread-safe entry points: submit, abort."""
 
-    def __init__(self, make_core: Callable[[], EngineCore], metrics: Metrics):
+    def __init__(self, make_core: Callable[[], EngineCore], metrics: Metrics, config: EngineConfig):
         self._make_core = make_core
+        self._config = config
+        self._publisher = None
         self.metrics = metrics
         self.core: EngineCore | None = None
         self.ready = threading.Event()
@@ -91,6 +93,17 @@ class EngineLoop:
     def stop(self) -> None:
         self._inbox.put(("stop",))
         self._thread.join(timeout=10)
+        if self._publisher is not None:
+            self._publisher.close()
+
+    def _start_publisher(self, core: EngineCore) -> None:
+        from prefix_index.publisher import KVEventPublisher
+
+        cfg = self._config
+        self._publisher = KVEventPublisher(
+            cfg.index_url, cfg.replica_id, core.model_config.name, cfg.block_size, snapshot=core.kv.snapshot
+        )
+        self._publisher.start()
 
     def submit(self, request: GenerateRequest) -> None:
         self._inbox.put(("add", request))
@@ -109,6 +122,8 @@ class EngineLoop:
             t0 = time.perf_counter()
             self.core = self._make_core()
             self.core.warmup()
+            if self._config.index_url is not None:
+                self._start_publisher(self.core)
             self.snapshot = self.core.stats()
             log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot)
             self.ready.set()
@@ -134,6 +149,8 @@ class EngineLoop:
                 frames.extend(core.step())
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 self.metrics.steps.inc()
+                if self._publisher is not None and (events := core.kv.drain_events()):
+                    self._publisher.publish(events)
             self.snapshot = core.stats()
             if frames:
                 self._loop.call_soon_threadsafe(self._deliver, frames)
@@ -165,7 +182,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None) -> Starlette:
     metrics = Metrics()
-    engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics)
+    engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
     streams: dict[str, _Stream] = {}
 
     def deliver(frames: list[OutputFrame]) -> None:

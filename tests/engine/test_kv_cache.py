@@ -5,6 +5,7 @@ import pytest
 from engine.kv_cache import BlockCounts, IntegrityError, KVCacheManager
 from engine.protocol import SamplingParams
 from engine.request import Sequence
+from prefix_index.events import BlockRemoved, BlockStored
 from prefix_index.hashing import block_hashes
 
 BS = 4
@@ -83,19 +84,20 @@ def test_prompt_of_exact_blocks_recomputes_last_block():
 
 
 def test_eviction_order_is_lru_and_tail_blocks_go_first():
-    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    kv = KVCacheManager(num_blocks=6, block_size=BS, record_events=True)
     a = make_seq(range(0, 12), "a")  # 3 full blocks
     run_prefill(kv, a)
     assert a.block_ids == [0, 1, 2]
     kv.free(a)
-    stored, removed = kv.drain_events()
-    assert stored == block_hashes(list(range(12)), BS) and removed == []
+    hashes = block_hashes(list(range(12)), BS)
+    assert kv.drain_events() == [BlockStored(hashes, None)]
+    assert kv.snapshot() == [(hashes[0], None), (hashes[1], hashes[0]), (hashes[2], hashes[1])]
     # free queue: untouched 3,4,5 then a's blocks tail first: 2,1,0
     assert list(kv.free_queue) == [3, 4, 5, 2, 1, 0]
     b = make_seq(range(100, 116), "b")  # 4 blocks: takes 3,4,5 then evicts a's tail block 2
     assert kv.allocate(b, 16) == [3, 4, 5, 2]
-    _, removed = kv.drain_events()
-    assert removed == [block_hashes(list(range(12)), BS)[2]]
+    assert kv.drain_events() == [BlockRemoved([hashes[2]])]
+    assert len(kv.snapshot()) == 2
     # a's first two blocks still serve a prefix
     c = make_seq(list(range(12)) + [7], "c")
     assert kv.match_prefix(c) == [0, 1]
