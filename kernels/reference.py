@@ -67,7 +67,8 @@ def paged_attention(
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None]
         mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
         if 1 < q_len < ctx_len:  # chunked prefill: causal, aligned to the end of the context
-            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)
+            mask = mask.tril(ctx_len - q_len)
         out[q_start:q_end] = F.scaled_dot_product_attention(
             q[q_start:q_end].transpose(0, 1)[None], k.to(q.dtype), v.to(q.dtype),
             attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,

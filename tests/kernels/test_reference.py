@@ -73,7 +73,8 @@ def test_paged_attention_mixed_batch_matches_dense(num_heads, num_kv_heads, host
     for i, (qi, k, v) in enumerate(seqs):
         if len(qi):
             expected = dense_causal_attention(qi, k, v, scale)
-            torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+            got = out[starts[i] : starts[i + 1]].double()
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_bf16_cache_and_query():
@@ -86,7 +87,8 @@ def test_paged_attention_bf16_cache_and_query():
     assert out.dtype == torch.bfloat16
     for i, (qi, k, v) in enumerate(seqs):
         expected = dense_causal_attention(qi, k, v, 0.25)
-        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=3e-2, rtol=3e-2)
+        got = out[starts[i] : starts[i + 1]].double()
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
 
 
 def test_store_kv_writes_slots_and_skips_padding():
@@ -131,7 +133,8 @@ def test_rotary_embedding_is_exact_rotate_half(theta):
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(
             torch.ones_like(angle), angle
         )
-        torch.testing.assert_close(rotated.double(), torch.cat([z.real, z.imag], -1), atol=1e-5, rtol=1e-5)
+        expected = torch.cat([z.real, z.imag], -1)
+        torch.testing.assert_close(rotated.double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(q_rot[0], q[0])  # position 0 is the identity
 
 

@@ -1,0 +1,279 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3 shapes) over the paged KV cache.
+
+RMSNorm, RoPE with the configured theta, grouped-query attention, SwiGLU, tied or untied head.
+q/k/v and gate/up are fused into one projection each; every op that touches the KV cache or is
+worth a kernel comes from the ``ops`` set (``kernels.load_ops``), so the same model runs on the
+torch reference ops and on the Triton kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+
+
+# Weights start uninitialized (torch.empty): the loader overwrites every one, and both a random
+# init and torch's meta-device skip_init (which imports torch._dynamo) would cost seconds at load.
+class Linear(nn.Module):
+    """Bias-free ``x @ weight.T``."""
+
+    def __init__(self, in_features: int, out_features: int, factory: dict) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, factory: dict) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, **factory))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: ModuleType, factory: dict) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, **factory))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, factory)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.ops.rotary_embedding(
+            positions,
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            cos_sin_cache,
+        )
+        self.ops.store_kv(
+            k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+            attn.slot_mapping,
+        )
+        out = self.ops.paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+            self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu,
+        )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, factory)
+        self.self_attn = LlamaAttention(config, ops, factory)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ops, factory
+        )
+        self.mlp = LlamaMLP(config, ops, factory)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: (normed, residual) pairs flow between layers.
+        normed, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, normed, attn, *kv_cache, cos_sin_cache)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, factory)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, ops, factory) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, factory)
+        # RoPE tables stay fp32 whatever the weights' dtype: rotary_embedding computes in fp32.
+        self.register_buffer(
+            "cos_sin_cache",
+            ops.rope_cos_sin_cache(
+                config.head_dim, config.max_position_embeddings, config.rope_theta,
+                device=factory["device"], dtype=torch.float32,
+            ),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, attn, kv_cache, self.cos_sin_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model the runner calls.
+
+    ``forward(input_ids [T], positions [T], attn, kv_caches) -> hidden [T, hidden_size]`` writes
+    the new tokens' K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` pair per layer, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``attn.slot_mapping`` and mutates
+    nothing else. ``compute_logits(hidden [N, hidden_size]) -> fp32 [N, vocab]``: pass only the
+    rows to sample. Weights are uninitialized until ``load_weights`` (see ``engine.models.loader``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: ModuleType,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        factory = {"device": torch.device(device), "dtype": dtype}
+        self.config = config
+        self.model = LlamaModel(config, ops, factory)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, factory)
+        )
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, slice]]:
+        """Hugging Face checkpoint name -> (our parameter name, rows of it the tensor fills)."""
+        config = self.config
+        q, kv, inter = (
+            config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+            config.intermediate_size,
+        )
+        fused = {
+            "self_attn.qkv_proj.weight": {
+                "self_attn.q_proj.weight": slice(0, q),
+                "self_attn.k_proj.weight": slice(q, q + kv),
+                "self_attn.v_proj.weight": slice(q + kv, q + 2 * kv),
+            },
+            "mlp.gate_up_proj.weight": {
+                "mlp.gate_proj.weight": slice(0, inter),
+                "mlp.up_proj.weight": slice(inter, 2 * inter),
+            },
+        }
+        layout = {}
+        for name, _ in self.named_parameters():
+            prefix, _, suffix = name.partition(".layers.")
+            layer, _, local = suffix.partition(".")
+            if local in fused:
+                for part, rows in fused[local].items():
+                    layout[f"{prefix}.layers.{layer}.{part}"] = (name, rows)
+            else:
+                layout[name] = (name, slice(None))
+        return layout
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inverse of ``load_weights``: Hugging Face-named views of the parameters (no copy),
+        so that a transformers model can run on exactly our weights."""
+        params = dict(self.named_parameters())
+        return {name: params[param][rows] for name, (param, rows) in self.checkpoint_layout().items()}
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy Hugging Face-named tensors into the (fused) parameters, converting dtype/device.
+
+        Copies even when a tensor could be adopted as is: checkpoint readers hand out views of
+        memory-mapped files, and a parameter must not depend on the file staying unchanged.
+        Raises ``ValueError`` naming the tensor on an unknown name, a repeat or a wrong shape, and
+        naming what is missing once ``weights`` is exhausted. Returns the number of tensors copied.
+        """
+        layout = self.checkpoint_layout()
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy of the embedding
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints persist the RoPE table; ours is computed
+            if name not in layout:
+                raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
+            if name in loaded:
+                raise ValueError(f"weight {name!r} appears twice")
+            param_name, rows = layout[name]
+            target = params[param_name][rows]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(layout.keys() - loaded)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} weights: {', '.join(missing[:5])}{more}"
+            )
+        return len(loaded)

