@@ -54,10 +54,16 @@ def paged_attention(
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     out = torch.empty_like(q)
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if len(decodes) > 1:  # one padded, masked sdpa call for all single-token sequences
+        _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, decodes, scale, out)
+        decoded = set(decodes)
+    else:
+        decoded = set()
     for i, ctx_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or i in decoded:
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
@@ -74,6 +80,25 @@ def paged_attention(
             attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
         )[0].transpose(0, 1)
     return out
+
+
+def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out) -> None:
+    block_size = k_cache.shape[1]
+    ctx = [lens[i] for i in rows]
+    max_len = max(ctx)
+    num_blocks = (max_len + block_size - 1) // block_size
+    index = torch.tensor(rows, device=q.device)
+    tables = block_tables.index_select(0, index)[:, :num_blocks].long()
+    # [B, kv_heads, max_len, dim], padded past each sequence's length and masked out
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    lengths = torch.tensor(ctx, device=q.device)
+    mask = (torch.arange(max_len, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    q_rows = torch.tensor([starts[i] for i in rows], device=q.device)
+    attn = F.scaled_dot_product_attention(
+        q.index_select(0, q_rows)[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    out[q_rows] = attn[:, :, 0]
 
 
 def rms_norm(

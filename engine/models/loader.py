@@ -251,8 +251,6 @@ def _hf_config(path: Path) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported (expected 'default')")
-    if "rope_theta" in rope:
-        hf = {**hf, "rope_theta": rope["rope_theta"]}
     try:
         return ModelConfig.from_hf(hf, name=path.name)
     except (KeyError, TypeError, ValueError) as exc:
