@@ -1,0 +1,588 @@
+"""The engine on one GPU against its peers, measured in the same run (dummy bf16 weights of real shapes).
+
+Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where issue 5 sets one):
+  device      copy bandwidth (bytes read + written) and bf16 matmul rate: the ceilings used below
+  ttft        (e) first-batch vs steady-state TTFT at 1, 2, 4, 8 concurrent 512-token prompts (8B shape),
+              run first, right after warmup, so the first batch is the engine's first request
+  decode_b1   (a) batch-1 decode tok/s and fraction of copy bandwidth, Llama-3-8B and SmolLM2 shapes,
+              against a gpt-fast-style compiled PyTorch decode of the same weights and HF generate
+  cont_batch  (b) 64 requests × 512 in × 256 out, greedy, against HF ``generate_batch`` (sdpa)
+  prefill_8k  (d) one 8K-token prompt: TFLOP/s (all matmuls and causal attention) against HF sdpa
+  offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
+              temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
+              with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
+HF peers run on the very tensors our model holds (engine.models.hf_twin), after the engine's KV cache
+is freed. Peers that would not fit in --budget-s are skipped with a line saying so.
+
+    python3 benchmarks/gpu_bench.py [--budget-s 420] [--only ttft,decode_b1,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.logs import configure_logging  # noqa: E402
+from engine.models.hf_twin import hf_twin  # noqa: E402
+from engine.models.llama import LlamaForCausalLM  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "offline")
+START = time.perf_counter()
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = START + seconds
+
+    def allows(self, bench: str, peer: str, needed_s: float) -> bool:
+        left = self.deadline - time.perf_counter()
+        if left < needed_s:
+            emit(bench=bench, peer=peer, skipped=f"needs ~{needed_s:.0f} s of the budget, {left:.0f} s left")
+            return False
+        return True
+
+
+# --- ceilings ----------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_device() -> tuple[float, float]:
+    src = torch.randint(0, 255, (4 * 2**30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    peak = 2 * 8192**3 / (median_ms(lambda: a @ b) * 1e-3)
+    del a, b
+    free_cuda()
+    props = torch.cuda.get_device_properties(0)
+    emit(
+        bench="device", device=props.name, torch=torch.__version__,
+        copy_bandwidth_tb_s=round(bandwidth / 1e12, 3), bf16_matmul_tflop_s=round(peak / 1e12, 1),
+    )
+    return bandwidth, peak
+
+
+# --- work accounting ---------------------------------------------------------------------------
+
+
+class Shape:
+    """Bytes and FLOPs of a model shape, for rooflines."""
+
+    def __init__(self, config: ModelConfig, element: int = 2):
+        c = config
+        self.config = c
+        self.element = element
+        attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        self.layer_linear_params = c.num_layers * (attn + mlp)
+        self.head_params = c.vocab_size * c.hidden_size
+        self.kv_bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * element
+        # Weights a step reads: every linear layer and the LM head (the embedding lookup reads rows).
+        self.weight_bytes = (self.layer_linear_params + self.head_params) * element
+
+    def attention_flops(self, context_before: int, new: int) -> int:
+        pairs = new * context_before + new * (new + 1) // 2
+        return 4 * pairs * self.config.num_heads * self.config.head_dim * self.config.num_layers
+
+    def step(self, seqs: list[tuple[int, int, bool]]) -> tuple[int, int]:
+        """(bytes, flops) of one step of ``(context_before, new_tokens, sampled)`` sequences."""
+        tokens = sum(n for _, n, _ in seqs)
+        sampled = sum(s for _, _, s in seqs)
+        flops = 2 * tokens * self.layer_linear_params + 2 * sampled * self.head_params
+        flops += sum(self.attention_flops(c, n) for c, n, _ in seqs)
+        kv = sum((c + n) * self.kv_bytes_per_token for c, n, _ in seqs)
+        return self.weight_bytes + kv, flops
+
+
+# --- driving our engine ------------------------------------------------------------------------
+
+
+def make_engine(model: str, **settings) -> EngineCore:
+    config = EngineConfig(model=model, load_format="dummy", device="cuda", **settings)
+    t0 = time.perf_counter()
+    core = EngineCore.from_config(config)
+    core.warmup()
+    emit(
+        bench="engine_start", model=model, seconds=round(time.perf_counter() - t0, 1),
+        num_kv_blocks=core.kv.num_blocks, kv_tokens=core.kv.num_blocks * core.kv.block_size,
+        cuda_graph_buckets=core.runner.decode_graphs.buckets if core.runner.decode_graphs else [], **settings,
+    )
+    return core
+
+
+class Run:
+    """Requests run to completion; the time of every request's first and last token."""
+
+    def __init__(self, core: EngineCore, prompts: list[list[int]], samplings: list[SamplingParams], tag: str):
+        self.ids = [f"{tag}{i}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        for rid, prompt, sampling in zip(self.ids, prompts, samplings):
+            core.add_request(GenerateRequest(rid, prompt, sampling))
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.tokens: dict[str, list[int]] = {rid: [] for rid in self.ids}
+        while core.has_work():
+            frames = core.step()
+            now = time.perf_counter() - t0
+            for frame in frames:
+                if frame.token_ids:
+                    self.first.setdefault(frame.request_id, now)
+                    self.last[frame.request_id] = now
+                    self.tokens[frame.request_id] += frame.token_ids
+        self.seconds = time.perf_counter() - t0
+        self.output_tokens = sum(map(len, self.tokens.values()))
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 12000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+# --- (e) TTFT ----------------------------------------------------------------------------------
+
+
+def bench_ttft(core: EngineCore) -> None:
+    seed = 1000
+    for k in (1, 2, 4, 8):
+        batches = []
+        for _ in range(6):
+            seed += 1
+            run = Run(core, random_prompts(k, 512, seed), [greedy(1)] * k, f"ttft{seed}-")
+            batches.append(statistics.mean(run.first.values()) * 1e3)
+        steady = statistics.median(batches[1:])
+        emit(
+            bench="ttft", model=core.model_config.name, concurrent=k, prompt_tokens=512,
+            first_batch_ms=round(batches[0], 2), steady_ms=round(steady, 2),
+            ratio=round(batches[0] / steady, 3), goal="first batch <= 1.2x steady", met=batches[0] <= 1.2 * steady,
+        )
+
+
+# --- (a) batch-1 decode ------------------------------------------------------------------------
+
+
+def ours_decode_b1(core: EngineCore, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """Engine decode tok/s at batch 1, and the milliseconds of the batch-1 graph replay alone
+    (the rest of a step is host time: scheduling, input copies, logits, sampling, postprocess)."""
+    rate = 0.0
+    for attempt in range(2):
+        run = Run(core, random_prompts(1, prompt_len, 7 + attempt), [greedy(new_tokens)], f"b1-{attempt}-")
+        rid = run.ids[0]
+        rate = (new_tokens - 1) / (run.last[rid] - run.first[rid])
+    graphs = core.runner.decode_graphs
+    graphs._ids[2].fill_(-1)  # replays below store no K/V (their inputs are the last step's)
+    graph = graphs._graphs[1]
+    t0 = sync_time()
+    for _ in range(100):
+        graph.replay()
+    return rate, (sync_time() - t0) * 10
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+class CompiledDecode:
+    """gpt-fast-style batch-1 decode on our model's weights: a static KV cache, SDPA over the whole
+    static length under a position mask, every decoder layer through one ``torch.compile``d
+    function (regional compilation: one compilation serves all layers, which keeps compile time
+    inside a benchmark's budget), and the whole token step — embedding, layers, head, argmax,
+    position increment — in one CUDA graph, as ``mode="reduce-overhead"`` would capture it."""
+
+    def __init__(self, model: LlamaForCausalLM, max_len: int):
+        c = model.config
+        m = model.model
+        self.c, self.max_len = c, max_len
+        self.embed = m.embed_tokens.weight
+        self.head = m.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.norm = m.norm.weight
+        self.layers = [
+            (l.input_layernorm.weight, l.self_attn.qkv_proj.weight, l.self_attn.o_proj.weight,
+             l.post_attention_layernorm.weight, l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight)
+            for l in m.layers
+        ]
+        dev, dtype = self.embed.device, self.embed.dtype
+        shape = (1, c.num_kv_heads, max_len, c.head_dim)
+        self.caches = [(torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)) for _ in m.layers]
+        self.cos_sin = m.cos_sin_cache
+        self.key_pos = torch.arange(max_len, device=dev)
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.compiled_layer = torch.compile(self.layer, dynamic=False, fullgraph=True)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def layer(self, h, pos, mask, cos, sin, kc, vc, ln1, wqkv, wo, ln2, w13, w2):
+        c = self.c
+        t = h.shape[1]
+        q, k, v = F.linear(_rms(h, ln1, c.rms_norm_eps), wqkv).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+        )
+        q = q.view(1, t, c.num_heads, c.head_dim)
+        k = k.view(1, t, c.num_kv_heads, c.head_dim)
+
+        def rope(x):
+            half = c.head_dim // 2
+            xf = x.float()
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+        q, k = rope(q).transpose(1, 2), rope(k).transpose(1, 2)
+        v = v.view(1, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+        h = h + F.linear(y.transpose(1, 2).reshape(1, t, -1), wo)
+        gate, up = F.linear(_rms(h, ln2, c.rms_norm_eps), w13).chunk(2, -1)
+        return h + F.linear(F.silu(gate) * up, w2)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, layer_fn) -> torch.Tensor:
+        half = self.c.head_dim // 2
+        cs = self.cos_sin.index_select(0, pos)[None, :, None, :]
+        cos, sin = cs[..., :half], cs[..., half:]
+        mask = (self.key_pos[None, :] <= pos[:, None])[None, None]
+        h = F.embedding(tokens, self.embed)
+        for (kc, vc), weights in zip(self.caches, self.layers):
+            h = layer_fn(h, pos, mask, cos, sin, kc, vc, *weights)
+        return F.linear(_rms(h[:, -1], self.norm, self.c.rms_norm_eps), self.head).argmax(-1)
+
+    def step(self) -> None:
+        self.token.copy_(self.forward(self.token, self.pos, self.compiled_layer).view(1, 1))
+        self.pos.add_(1)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> None:
+        ids = torch.tensor([prompt], device=self.token.device)
+        positions = torch.arange(len(prompt), device=self.token.device)
+        self.token.copy_(self.forward(ids, positions, self.layer).view(1, 1))
+        self.pos.fill_(len(prompt))
+
+    @torch.inference_mode()
+    def decode(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        """Tokens per second over ``n`` graph replays, and the first tokens generated."""
+        if self.graph is None:
+            self.prefill(prompt)
+            for _ in range(3):  # compile, autotune and load every kernel before the capture
+                self.step()
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step()
+        self.prefill(prompt)
+        first = [int(self.token)]
+        for _ in range(7):
+            self.graph.replay()
+            first.append(int(self.token))
+        self.prefill(prompt)
+        t0 = sync_time()
+        for _ in range(n):
+            self.graph.replay()
+        return n / (sync_time() - t0), first
+
+
+@torch.inference_mode()
+def hf_decode_b1(twin, prompt: list[int], n: int) -> float:
+    ids = torch.tensor([prompt], device="cuda")
+
+    def timed(tokens: int) -> float:
+        t0 = sync_time()
+        twin.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return sync_time() - t0
+
+    timed(2)
+    return (n - 1) / (timed(n) - timed(1))
+
+
+def bench_decode_b1_peers(
+    model, shape: Shape, ours: float, replay_ms: float, bandwidth: float, budget: Budget, ours_first: list[int]
+) -> None:
+    name = shape.config.name
+    prompt = random_prompts(1, 128, 7)[0]
+    new_tokens = 256
+    bytes_per_token = shape.weight_bytes + (128 + new_tokens // 2) * shape.kv_bytes_per_token
+
+    def fraction(rate: float) -> float:
+        return round(rate * bytes_per_token / bandwidth, 3)
+
+    compiled = hf = None
+    if budget.allows("decode_b1", "torch_compile", 45):
+        t0 = time.perf_counter()
+        peer = CompiledDecode(model, 128 + new_tokens + 8)
+        peer.decode(prompt, 8)
+        compile_s = time.perf_counter() - t0
+        compiled, first = peer.decode(prompt, new_tokens)
+        del peer
+        free_cuda()
+        emit(bench="decode_b1", model=name, peer="torch_compile", tok_s=round(compiled, 1),
+             fraction_of_copy_bandwidth=fraction(compiled), setup_s=round(compile_s, 1),
+             first_tokens_agree_with_ours=sum(a == b for a, b in zip(first, ours_first)))
+    if budget.allows("decode_b1", "hf_generate", 25):
+        twin = hf_twin(model)
+        hf = hf_decode_b1(twin, prompt, 32 if name == "llama3-8b" else 64)
+        del twin
+        free_cuda()
+        emit(bench="decode_b1", model=name, peer="hf_generate", tok_s=round(hf, 1), fraction_of_copy_bandwidth=fraction(hf))
+    summary = dict(
+        bench="decode_b1", model=name, ours_tok_s=round(ours, 1), ours_ms_per_token=round(1e3 / ours, 3),
+        ours_graph_replay_ms=round(replay_ms, 3),
+        bytes_per_token=bytes_per_token, floor_ms_per_token=round(bytes_per_token / bandwidth * 1e3, 3),
+        ours_fraction_of_copy_bandwidth=fraction(ours),
+        vs_torch_compile=round(ours / compiled, 2) if compiled else None,
+        vs_hf_generate=round(ours / hf, 1) if hf else None,
+    )
+    if name == "llama3-8b":
+        summary.update(goal=">= 0.85 of copy bandwidth and >= 1.33x torch.compile",
+                       met=fraction(ours) >= 0.85 and bool(compiled) and ours >= 1.33 * compiled)
+    else:
+        summary.update(goal=">= 2000 tok/s", met=ours >= 2000)
+    emit(**summary)
+
+
+# --- (b) continuous batching and HF generate_batch --------------------------------------------
+
+
+# No inference_mode here: generate_batch's worker thread updates the cache tensors it creates.
+def hf_generate_batch(twin, prompts: list[list[int]], max_new_tokens: int, do_sample: bool) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=0.6 if do_sample else None,
+        top_p=None, top_k=None,
+    )
+    t0 = sync_time()
+    outputs = twin.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    seconds = sync_time() - t0
+    return seconds, sum(len(o.generated_tokens) for o in outputs.values())
+
+
+def bench_cont_batch_ours(core: EngineCore) -> tuple[float, Run]:
+    prompts = random_prompts(64, 512, 64)
+    run = Run(core, prompts, [greedy(256)] * 64, "cb-")
+    return run.output_tokens / run.seconds, run
+
+
+def bench_cont_batch_peer(model, name: str, ours: float, budget: Budget, needed_s: float) -> None:
+    hf = None
+    if budget.allows("cont_batch", "hf_generate_batch", needed_s):
+        twin = hf_twin(model)
+        try:
+            seconds, tokens = hf_generate_batch(twin, random_prompts(64, 512, 64), 256, do_sample=False)
+            hf = tokens / seconds
+            emit(bench="cont_batch", model=name, peer="hf_generate_batch", output_tok_s=round(hf, 1),
+                 output_tokens=tokens, seconds=round(seconds, 1), attn_implementation="sdpa")
+        finally:
+            del twin
+            free_cuda()
+    emit(bench="cont_batch", model=name, requests=64, prompt_tokens=512, output_tokens_each=256,
+         ours_output_tok_s=round(ours, 1), vs_hf_generate_batch=round(ours / hf, 1) if hf else None,
+         goal=">= 20x HF generate_batch", met=bool(hf) and ours >= 20 * hf)
+
+
+# --- (d) 8K prefill ----------------------------------------------------------------------------
+
+
+def bench_prefill_ours(core: EngineCore, shape: Shape, length: int) -> tuple[float, int]:
+    times = []
+    for i in range(3):
+        run = Run(core, random_prompts(1, length, 800 + i), [greedy(1)], f"pf{i}-")
+        times.append(run.first[run.ids[0]])
+    _, flops = shape.step([(0, length, True)])
+    return statistics.median(times), flops
+
+
+@torch.inference_mode()
+def bench_prefill_peer(model, shape: Shape, length: int, ours_s: float, flops: int, budget: Budget) -> None:
+    hf_s = None
+    if budget.allows("prefill_8k", "hf_sdpa", 20):
+        twin = hf_twin(model)
+        ids = torch.tensor(random_prompts(1, length, 900), device="cuda")
+        twin(ids, logits_to_keep=1)
+        times = []
+        for _ in range(3):
+            t0 = sync_time()
+            twin(ids, logits_to_keep=1)
+            times.append(sync_time() - t0)
+        hf_s = statistics.median(times)
+        del twin, ids
+        free_cuda()
+    linear_flops = 2 * length * shape.layer_linear_params
+    emit(
+        bench="prefill_8k", model=shape.config.name, tokens=length,
+        ours_ms=round(ours_s * 1e3, 2), ours_tok_s=round(length / ours_s), ours_tflop_s=round(flops / ours_s / 1e12, 1),
+        ours_linear_tflop_s=round(linear_flops / ours_s / 1e12, 1),
+        hf_sdpa_ms=round(hf_s * 1e3, 2) if hf_s else None, hf_tflop_s=round(flops / hf_s / 1e12, 1) if hf_s else None,
+        goal=">= 600 TFLOP/s", met=flops / ours_s / 1e12 >= 600,
+    )
+
+
+# --- (c) nano-vllm's offline workload ----------------------------------------------------------
+
+
+def nano_vllm_workload() -> tuple[list[list[int]], list[int]]:
+    """nano-vllm bench.py: random.seed(0), 256 prompts of randint(100, 1024) tokens drawn from
+    randint(0, 10000), then 256 output lengths randint(100, 1024)."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    return prompts, [rng.randint(100, 1024) for _ in range(256)]
+
+
+def bench_offline(bandwidth: float, peak: float, budget: Budget) -> None:
+    prompts, out_lens = nano_vllm_workload()
+    core = make_engine(
+        "qwen3-0.6b", max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096, gpu_memory_utilization=0.9,
+    )
+    shape = Shape(core.model_config)
+    steps: list[list[tuple[int, int, bool]]] = []
+    execute = core.runner.execute
+
+    def traced(scheduled):
+        steps.append([(s.num_computed_tokens, n, s.num_computed_tokens + n == s.num_tokens) for s, n in scheduled])
+        return execute(scheduled)
+
+    core.runner.execute = traced
+    samplings = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in out_lens]
+    run = Run(core, prompts, samplings, "nano-")
+    floor = 0.0
+    for seqs in steps:
+        nbytes, flops = shape.step(seqs)
+        floor += max(nbytes / bandwidth, flops / peak)
+    ours_seconds = run.seconds
+    ours = run.output_tokens / ours_seconds
+    model = core.runner.model
+    del core, run
+    free_cuda()
+    hf = None
+    subset = 32
+    if budget.allows("offline", "hf_generate_batch", 40):
+        twin = hf_twin(model)
+        try:
+            mean_out = round(statistics.mean(out_lens[:subset]))
+            seconds, tokens = hf_generate_batch(twin, prompts[:subset], mean_out, do_sample=True)
+            hf = tokens / seconds
+            emit(bench="offline", peer="hf_generate_batch", output_tok_s=round(hf, 1), seqs=subset,
+                 max_new_tokens=mean_out, seconds=round(seconds, 1),
+                 note="first 32 prompts of the workload, each to their mean output length (one max_new_tokens per call)")
+        finally:
+            del twin
+            free_cuda()
+    emit(
+        bench="offline", model="qwen3-0.6b shape as Llama (no q/k norm)", seqs=256, steps=len(steps),
+        output_tokens=sum(out_lens), ours_seconds=round(ours_seconds, 2), ours_output_tok_s=round(ours, 1),
+        roofline_s=round(floor, 3), fraction_of_roofline=round(floor / ours_seconds, 3),
+        vs_hf_generate_batch=round(ours / hf, 1) if hf else None,
+        goal=">= 20x HF continuous batching", met=bool(hf) and ours >= 20 * hf,
+    )
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def guarded(name: str, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 — one broken section must not hide the others' numbers
+        emit(bench=name, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+        free_cuda()
+
+
+def bench_model(name: str, settings: dict, sections: set[str], bandwidth: float, budget: Budget) -> None:
+    core = make_engine(name, **settings)
+    shape = Shape(core.model_config)
+    cb_peer_s = {"llama3-8b": 50, "smollm2-135m": 35}[name]
+    if "ttft" in sections and name == "llama3-8b":
+        guarded("ttft", lambda: bench_ttft(core))
+    b1 = cb = pf = None
+    if "decode_b1" in sections:
+        b1 = ours_decode_b1(core, 128, 256)
+        first = Run(core, random_prompts(1, 128, 7), [greedy(8)], "b1first-").tokens["b1first-0"]
+    if "cont_batch" in sections:
+        cb, _ = bench_cont_batch_ours(core)
+    if "prefill_8k" in sections and name == "llama3-8b":
+        pf = bench_prefill_ours(core, shape, 8190)
+    model = core.runner.model
+    del core
+    free_cuda()
+    if b1 is not None:
+        guarded("decode_b1", lambda: bench_decode_b1_peers(model, shape, *b1, bandwidth, budget, first))
+    if pf is not None:
+        guarded("prefill_8k", lambda: bench_prefill_peer(model, shape, 8190, pf[0], pf[1], budget))
+    if cb is not None:
+        guarded("cont_batch", lambda: bench_cont_batch_peer(model, name, cb, budget, cb_peer_s))
+    del model
+    free_cuda()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=420, help="skip peers that would end past this (default: 420)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_bench needs a CUDA device")
+    sections = set(args.only.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        sys.exit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    configure_logging("INFO")  # the engine's JSON logs go to stderr; stdout holds the measurements
+    budget = Budget(args.budget_s)
+    bandwidth, peak = measure_device()
+    engine = dict(max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+    if sections & {"ttft", "decode_b1", "cont_batch", "prefill_8k"}:
+        guarded("llama3-8b", lambda: bench_model("llama3-8b", {**engine, "max_model_len": 8192}, sections, bandwidth, budget))
+    if sections & {"decode_b1", "cont_batch"} and budget.allows("smollm2-135m", "ours", 40):
+        guarded("smollm2-135m", lambda: bench_model("smollm2-135m", {**engine, "max_model_len": 2048}, sections, bandwidth, budget))
+    if "offline" in sections and budget.allows("offline", "ours", 50):
+        guarded("offline", lambda: bench_offline(bandwidth, peak, budget))
+    emit(bench="done", seconds=round(time.perf_counter() - START, 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Decode graphs' padded static-buffer path on the CPU (the capture itself is in test_gpu.py),
+bucket choice, KV sizing settings and the warmup."""
+
+import pytest
+import torch
+
+from engine.__main__ import build_parser, engine_config
+from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.core import EngineCore
+from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.models.llama import LlamaForCausalLM
+from engine.protocol import GenerateRequest, SamplingParams
+from kernels import load_ops
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = DUMMY_CONFIGS["tiny"]
+    model = LlamaForCausalLM(config, load_ops("torch"))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return model, config
+
+
+def tiny_core(tiny, **overrides):
+    model, config = tiny
+    settings = {"max_num_batched_tokens": 32, "num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 6, **overrides}
+    return EngineCore(EngineConfig(model="tiny", **settings), model, config)
+
+
+def padded_graphs(core: EngineCore) -> DecodeGraphs:
+    runner = core.runner
+    return DecodeGraphs(
+        runner.model, runner.kv_caches, runner.device, runner.block_size, runner.max_blocks_per_seq,
+        decode_buckets(core.config.max_num_seqs), capture=False,
+    )
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(100)[-3:] == [80, 96, 100]
+
+
+@torch.inference_mode()
+def test_padded_decode_matches_the_eager_batch(tiny):
+    """Three decoding sequences (bucket 4: one padding row) of different lengths on shuffled
+    blocks give the eager varlen batch's hidden states, and the padding row stores no K/V."""
+    core = tiny_core(tiny)
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate([3, 9, 21]):
+        core.add_request(GenerateRequest(f"r{i}", list(range(10 + i, 10 + i + length)), sampling))
+    for _ in range(5):
+        core.step()
+    scheduled = core.scheduler.schedule().scheduled
+    assert [n for _, n in scheduled] == [1, 1, 1]
+    graphs = padded_graphs(core)
+    assert graphs.bucket(len(scheduled)) == 4
+
+    eager, rows, seqs = core.runner._run_eager(scheduled)
+    caches_before = [tuple(c.clone() for c in layer) for layer in core.runner.kv_caches]
+    padded = graphs.run([seq for seq, _ in scheduled])
+    assert rows == [0, 1, 2] and seqs == [seq for seq, _ in scheduled]
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    for before, after in zip(caches_before, core.runner.kv_caches):
+        for b, a in zip(before, after):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_tokens_with_padded_decode_graphs(tiny):
+    """Greedy tokens of a batch whose size changes as requests finish are the eager engine's."""
+    requests = [
+        GenerateRequest(f"r{i}", list(range(5 * i, 5 * i + 7 + 3 * i)), SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True))
+        for i in range(5)
+    ]
+
+    def tokens(core):
+        out = {}
+        for r in requests:
+            core.add_request(GenerateRequest(r.request_id, r.prompt_ids, r.sampling))
+        while core.has_work():
+            for frame in core.step():
+                out.setdefault(frame.request_id, []).extend(frame.token_ids)
+        return out
+
+    eager = tokens(tiny_core(tiny))
+    core = tiny_core(tiny)
+    core.runner.decode_graphs = padded_graphs(core)
+    assert tokens(core) == eager
+    assert core.check_integrity().used == 0
+
+
+def test_warmup_leaves_no_work_and_no_counts(tiny):
+    core = tiny_core(tiny, num_kv_blocks=40)
+    core.warmup()
+    assert not core.has_work() and core.check_integrity().used == 0
+    assert core.counters.steps == 0 and not core.requests
+
+
+def test_kv_sizing_and_kernel_backend_settings():
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--load-format", "dummy", "--device", "cpu"])
+    config = engine_config(args)
+    assert (config.kernel_backend, config.resolved_kernel_backend) == ("auto", "torch")
+    assert (config.gpu_memory_utilization, config.enforce_eager, config.kv_cache_memory_gb) == (0.9, False, None)
+    assert EngineConfig(model="m", device="cuda").resolved_kernel_backend == "triton"
+    assert EngineConfig(model="m", device="cuda", kernel_backend="torch").resolved_kernel_backend == "torch"
+    args = build_parser().parse_args(
+        ["generate", "--model", "tiny", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--kernel-backend", "triton"]
+    )
+    assert (args.gpu_memory_utilization, args.enforce_eager, args.kernel_backend) == (0.5, True, "triton")
+    for bad in ({"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5}, {"kernel_backend": "cuda"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(model="m", **bad)
+
+
+def test_cpu_kv_cache_defaults_to_one_gib(tiny):
+    core = tiny_core(tiny, num_kv_blocks=None)
+    model_config = tiny[1]
+    per_block = 2 * model_config.num_layers * 4 * model_config.num_kv_heads * model_config.head_dim * 4
+    assert core.kv.num_blocks == 2**30 // per_block
+    assert core.runner.kv_caches[0][0].shape[0] == core.kv.num_blocks
