@@ -1,0 +1,178 @@
+"""The gateway ASGI application: routes, middleware stack, and the lifespan that owns every client.
+
+Stack, outermost first: proxy headers (trusted proxies only) → request context (X-Request-Id, the
+request's log line) → auth → Starlette (routes, OpenAI-shaped error handlers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import httpx
+import structlog
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import AuthMiddleware, RequestContextMiddleware
+from gateway.pool import EnginePool
+from gateway.router import make_router
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving import Serving
+from gateway.spawn import EngineProcesses
+from gateway.tokenizer import Tokenizer, load_hf_tokenizer
+
+log = structlog.get_logger("gateway")
+
+
+def openapi_schema() -> dict[str, Any]:
+    """OpenAPI 3.1 document generated from the request models."""
+    _, defs = models_json_schema(
+        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        ref_template="#/components/schemas/{model}",
+    )
+    error = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"error": {"type": "object", "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
+
+    def generation(model: str, summary: str) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model}"}}}},
+            "responses": {
+                "200": {"description": "JSON, or text/event-stream chunks when stream is true"},
+                **{str(s): error for s in (400, 401, 404, 413, 415, 429, 502, 503)},
+            },
+        }}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvgate", "version": "0.1.0"},
+        "components": {"schemas": defs["$defs"],
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": generation("ChatCompletionRequest", "Chat completion"),
+            "/v1/completions": generation("CompletionRequest", "Text completion"),
+            "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "model list"}}}},
+            "/health": {"get": {"summary": "Liveness (open)", "security": [],
+                                "responses": {"200": {"description": "alive"}}}},
+            "/ready": {"get": {"summary": "Readiness: some engine replica is ready (open)", "security": [],
+                               "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (open)", "security": [],
+                                 "responses": {"200": {"description": "text exposition format"}}}},
+        },
+    }
+
+
+EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_server_error}
+
+
+def middleware_stack(app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics) -> ASGIApp:
+    stack: ASGIApp = RequestContextMiddleware(AuthMiddleware(app, config.api_keys), metrics)
+    if config.trusted_proxies:
+        stack = ProxyHeadersMiddleware(stack, trusted_hosts=list(config.trusted_proxies))
+    return stack
+
+
+def create_app(config: GatewayConfig) -> ASGIApp:
+    metrics = GatewayMetrics()
+    openapi = openapi_schema()
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        procs = EngineProcesses(config.spawn) if config.spawn is not None else None
+        # One connection pool for all engines; --max-in-flight bounds the connections, and kept-alive
+        # ones spare the hot path a TCP handshake.
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=min(config.max_in_flight, 256)))
+        health: asyncio.Task | None = None
+        pool: EnginePool | None = None
+        try:
+            urls = list(config.engines) if procs is None else await procs.start()
+            hf = await asyncio.to_thread(load_hf_tokenizer, config.tokenizer, config.cache_dir)
+            tokenizer = Tokenizer(hf)
+            pool = EnginePool(urls, transport, make_router(config, metrics), metrics)
+            model = await pool.wait_ready(config.engine_startup_timeout, require_all=procs is not None,
+                                          check_alive=procs.check_alive if procs is not None else lambda: None)
+            if tokenizer.vocab_size > model.limits.vocab_size:
+                raise RuntimeError(f"the tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens but the "
+                                   f"engines' model only {model.limits.vocab_size}: wrong --tokenizer?")
+            name = config.served_model_name or model.name
+            app.state.serving = Serving(config, tokenizer, pool, model, name, metrics)
+            app.state.pool = pool
+            app.state.model_name = name
+            health = asyncio.create_task(pool.run_health_checks(config.health_interval))
+            log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
+                     routing=config.routing, auth=bool(config.api_keys),
+                     tenant_isolation=not config.shared_prefix_cache)
+            if not config.api_keys:
+                log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")
+            yield
+        finally:
+            if health is not None:
+                health.cancel()
+            if pool is not None:
+                await pool.close()
+            await transport.aclose()
+            if procs is not None:
+                await procs.stop()
+
+    async def chat(request: Request) -> Response:
+        return await request.app.state.serving.chat(request)
+
+    async def completions(request: Request) -> Response:
+        return await request.app.state.serving.completions(request)
+
+    async def models(request: Request) -> Response:
+        serving: Serving = request.app.state.serving
+        return JSONResponse({"object": "list", "data": [{
+            "id": serving.model_name, "object": "model", "created": started, "owned_by": "kvgate",
+            "max_model_len": serving.model.limits.max_model_len,
+        }]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        pool: EnginePool = request.app.state.pool
+        replicas = {r.url: "ready" if r.ready else r.error for r in pool.replicas}
+        ok = bool(pool.ready_replicas())
+        return JSONResponse({"status": "ready" if ok else "not_ready", "replicas": replicas}, 200 if ok else 503)
+
+    async def prometheus(request: Request) -> Response:
+        request.app.state.pool.export_metrics()
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    return middleware_stack(app, config, metrics)

@@ -1,0 +1,127 @@
+"""HTTP client of one engine sidecar: /generate as a stream of msgpack frames, /stats.
+
+Closing an :class:`EngineStream` before its end closes the connection, which aborts the engine
+request (the sidecar's contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import msgpack
+
+from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+
+MSGPACK = "application/x-msgpack"
+_WIRE_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (GenerateRequest, SamplingParams)}
+
+
+def pack_request(request: GenerateRequest) -> bytes:
+    """The bytes of ``request.pack()`` without its deep copy: ``dataclasses.asdict`` visits every prompt
+    token (about 13 ms for 8K tokens, against 0.2 ms here)."""
+    return msgpack.packb(request, default=lambda obj: {name: getattr(obj, name) for name in _WIRE_FIELDS[type(obj)]})
+
+
+class EngineUnavailable(Exception):
+    """The replica could not take the request (down, loading, overloaded); another one may."""
+
+
+class EngineRejected(Exception):
+    """The engine refused the request as invalid (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EngineFailed(Exception):
+    """The engine failed a request it had accepted (error frame, lost connection, broken stream)."""
+
+
+class EngineStream:
+    """One accepted /generate response."""
+
+    def __init__(self, response: httpx.Response, url: str):
+        self._response = response
+        self._url = url
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+
+    async def frames(self) -> AsyncIterator[OutputFrame]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                self._unpacker.feed(chunk)
+                for wire in self._unpacker:
+                    yield OutputFrame.from_wire(wire)
+        except httpx.TransportError as exc:
+            raise EngineFailed(f"lost the connection to engine {self._url}: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        """Idempotent; shielded, since it also runs while the request is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            await self._response.aclose()
+
+
+class EngineClient:
+    """Talks to one engine over a shared pooled transport (httpx's transport layer: the client layer's
+    cookies, redirects and auth cost about half a millisecond per request and do nothing here)."""
+
+    def __init__(self, url: str, transport: httpx.AsyncBaseTransport, connect_timeout: float = 5.0):
+        self.url = url
+        self._transport = transport
+        self._generate_url = httpx.URL(url + "/generate")
+        self._stats_url = httpx.URL(url + "/stats")
+        self._headers = {"content-type": MSGPACK}
+        # No read timeout: a queued request may wait long for its first frame.
+        self._stream_timeout = {"connect": connect_timeout, "read": None, "write": 30.0, "pool": 30.0}
+
+    async def open(self, request: GenerateRequest) -> EngineStream:
+        """Send the request and wait for the response head; raises EngineUnavailable or EngineRejected."""
+        req = httpx.Request("POST", self._generate_url, content=pack_request(request), headers=self._headers,
+                            extensions={"timeout": self._stream_timeout})
+        try:
+            response = await self._transport.handle_async_request(req)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"engine {self.url} unreachable: {exc!r}") from exc
+        if response.status_code == 200:
+            return EngineStream(response, self.url)
+        try:
+            body = await response.aread()
+        except httpx.TransportError:
+            body = b""
+        finally:
+            await response.aclose()
+        error = _error_of(body)
+        if response.status_code == 400:
+            raise EngineRejected(error.get("message", "engine rejected the request"), error.get("param"))
+        raise EngineUnavailable(f"engine {self.url} answered {response.status_code}: {error.get('message', '')}")
+
+    async def stats(self, timeout: float) -> dict:
+        """GET /stats; raises EngineUnavailable unless the engine is ready."""
+        req = httpx.Request("GET", self._stats_url, extensions={"timeout": dict.fromkeys(
+            ("connect", "read", "write", "pool"), timeout)})
+        try:
+            response = await self._transport.handle_async_request(req)
+            try:
+                body = await response.aread()
+            finally:
+                await response.aclose()
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"engine {self.url} unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise EngineUnavailable(
+                f"engine {self.url} not ready ({response.status_code}): {_error_of(body).get('message', '')}")
+        return json.loads(body)
+
+
+def _error_of(body: bytes) -> dict:
+    """The ``error`` object of an engine's JSON error body, or the body's start as the message."""
+    try:
+        inner = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return {"message": body[:200].decode(errors="replace")}
+    return inner if isinstance(inner, dict) else {}

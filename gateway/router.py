@@ -1,0 +1,302 @@
+"""Replica choice: a :class:`Router` picks one ready replica per engine request.
+
+Policies (``--routing``):
+
+- ``prefix`` (default): the replica that predicts the least work for the request (:func:`pick`):
+  the prefill queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
+  block hashes) and the cached tokens it would recompute, among the replicas whose queue is within
+  ``--prefix-load-bound`` tokens of the shortest one. Without an answer from the index it routes on
+  the queues alone.
+- ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
+- ``round-robin``: in turn.
+
+The two baselines exist for A/B runs (``python -m loadtest.ab``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from urllib.parse import urlsplit
+
+import structlog
+
+from gateway.health import CircuitBreaker
+from prefix_index.hashing import BlockHash, block_hashes
+from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+    from gateway.engine_client import EngineClient
+    from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger("gateway.router")
+
+# Routing reasons: the ``reason`` label of kvgate_gateway_routed.
+PREFIX_HIT = "prefix_hit"  # the best-cached replica
+LOAD_OVERRIDE = "load_override"  # another replica had more of the prompt cached, but too much queued
+PREFIX_MISS = "prefix_miss"  # no replica holds any block of the prompt: by load
+NO_INDEX = "no_index"  # the index did not answer (down, slow, backing off): by load
+LEAST_LOAD = "least_load"
+ROUND_ROBIN = "round_robin"
+FAILOVER = "failover"  # a retry after the replica chosen first failed
+
+# After the index failed, route without it this long before asking again, so a dead Redis costs
+# requests nothing; timeouts alone back off only when they repeat (a loaded host may just be slow).
+INDEX_RETRY_S = 1.0
+TIMEOUTS_BEFORE_BACKOFF = 3
+LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One engine sidecar as this gateway sees it. Mutated only on the event loop, by the pool."""
+
+    url: str
+    client: EngineClient
+    ready: bool = False  # routable: its engine answers ready and its circuit breaker is closed
+    in_flight: int = 0  # this gateway's engine requests on it
+    pending_prefill_tokens: int = 0  # predicted uncached prompt tokens of those without a first token yet
+    stats: dict[str, Any] = field(default_factory=dict)  # its last /stats
+    in_flight_at_poll: int = 0  # in_flight when ``stats`` was taken
+    replica_id: str | None = None  # its id in the prefix index (from /stats)
+    engine_ready: bool = False  # its last /stats answered 200 with the pool's model
+    error: str | None = None  # why it is not ready
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the engine's queue, as of the last poll."""
+        return self.stats.get("num_waiting", 0)
+
+    @property
+    def other_requests(self) -> int:
+        """Requests on the engine that this gateway did not count (other gateways'), as of the last poll."""
+        engine = self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0)
+        return max(0, engine - self.in_flight_at_poll)
+
+
+class RouteRequest(NamedTuple):
+    prompt_ids: list[int]
+    salt: str | None
+
+
+class RouteDecision(NamedTuple):
+    replica: Replica
+    reason: str  # metric label: why this replica
+    predicted_cached_tokens: int = 0
+
+
+class Router(ABC):
+    """Chooses a replica for one engine request.
+
+    ``choose`` runs on the event loop and must not block; it may await (an index lookup). It gets a
+    non-empty list of ready candidates and must return one of them. It must not mutate replicas:
+    the pool counts in-flight requests itself, right after ``choose`` returns. ``start`` runs once the
+    engines' model is known, ``close`` at shutdown.
+    """
+
+    policy: ClassVar[str]
+
+    @abstractmethod
+    async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision: ...
+
+    async def start(self, model: str, block_size: int) -> None:
+        """Called once with the engines' model name and block size (from their /stats)."""
+
+    async def close(self) -> None:
+        """Release what ``start`` opened."""
+
+
+class RoundRobinRouter(Router):
+    policy = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
+        return RouteDecision(candidates[next(self._turn) % len(candidates)], ROUND_ROBIN)
+
+
+def _rotated(candidates: Sequence[Replica], turn: int) -> list[Replica]:
+    """Candidates starting at ``turn``: min() then gives ties to each replica in turn."""
+    start = turn % len(candidates)
+    return [*candidates[start:], *candidates[:start]]
+
+
+class LeastLoadRouter(Router):
+    """Fewest requests on the replica: this gateway's in-flight ones plus the engine's queue.
+    Ties rotate, so equal replicas share the work."""
+
+    policy = "least-load"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
+        rotated = _rotated(candidates, next(self._turn))
+        return RouteDecision(min(rotated, key=lambda r: r.in_flight + r.queued), LEAST_LOAD)
+
+
+class Candidate(NamedTuple):
+    """A replica as the prefix policy scores it; all work in prompt tokens to compute."""
+
+    cached_tokens: int  # predicted reusable prompt tokens there
+    uncached_tokens: int  # the prompt tokens it would compute
+    load_tokens: int  # prefill work already queued there
+    requests: int  # requests on it (the tie-breaker: decoding requests queue no prefill)
+
+
+def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
+    """Index of the replica to use and the reason.
+
+    The predicted work of a replica is what the request waits for there (its queue, then its own
+    uncached tokens) plus what choosing it wastes: the tokens it recomputes that the best-cached
+    replica holds. Least work wins (then fewest requests, then the first listed) among the replicas
+    whose queue exceeds the shortest one by at most ``load_bound`` tokens: the bound caps what
+    affinity may cost. Counting the waste keeps requests that share a prefix together: a second
+    identical request waits for the first's prefill rather than computing it again elsewhere.
+    """
+    most_cached = max(c.cached_tokens for c in candidates)
+    min_load = min(c.load_tokens for c in candidates)
+
+    def work(i: int) -> tuple[int, int, int]:
+        c = candidates[i]
+        return c.load_tokens + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, i
+
+    best = min((i for i, c in enumerate(candidates) if c.load_tokens <= min_load + load_bound), key=work)
+    if most_cached == 0:
+        return best, PREFIX_MISS
+    return best, PREFIX_HIT if candidates[best].cached_tokens == most_cached else LOAD_OVERRIDE
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSettings:
+    load_bound_tokens: int = 4096
+    lookup_timeout_s: float = 0.05
+    speculative_ttl_s: float = 10.0
+
+
+class PrefixRouter(Router):
+    """Prefix-cache-aware routing over the shared index (see the module docstring).
+
+    Cache information comes from one :meth:`PrefixIndex.lookup` per request, bounded by
+    ``lookup_timeout_s``; a failure or timeout routes that request by load, logs once per change of
+    the index's state and backs off (``INDEX_RETRY_S``). After each choice the prompt's blocks are
+    inserted as speculative entries of the chosen replica (``speculative_ttl_s``, in the background),
+    so that concurrent requests with the same prefix, from any gateway, follow before the engine's
+    own events arrive. Index replica ids map to replicas through each engine's /stats ``replica_id``.
+    """
+
+    policy = "prefix"
+
+    def __init__(self, index_url: str, settings: PrefixSettings, metrics: GatewayMetrics):
+        self._index_url = index_url
+        self._settings = settings
+        self._metrics = metrics
+        self._index: PrefixIndex | None = None
+        self._block_size = 0
+        self._turn = itertools.count()
+        self._mean_uncached = 0.0  # running mean of the uncached prompt tokens of routed requests
+        self._seen_requests = False
+        self._index_ok: bool | None = None  # None until the first answer
+        self._retry_at = 0.0
+        self._timeouts = 0
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self, model: str, block_size: int) -> None:
+        self._index = open_index(self._index_url, model, block_size)
+        self._block_size = block_size
+        if urlsplit(self._index_url).scheme == "memory":
+            log.warning("prefix_index_local", index_url=self._index_url,
+                        reason="engines in other processes cannot publish to a memory:// index, so prefix "
+                               "routing routes by load; give gateway and engines a shared --index-url redis://")
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._background)  # each bounded by the lookup timeout
+        if self._index is not None:
+            await self._index.close()
+
+    async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
+        assert self._index is not None, "start() first"
+        rotated = _rotated(candidates, next(self._turn))
+        num_tokens = len(request.prompt_ids)
+        hashes = block_hashes(request.prompt_ids, self._block_size, request.salt)  # as the engine does
+        matched = await self._lookup(hashes) if hashes else {}
+        scored = []
+        for r in rotated:
+            blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
+            cached = min(blocks * self._block_size, num_tokens - 1)  # one token is always computed
+            load = r.pending_prefill_tokens + round(r.other_requests * self._mean_uncached)
+            scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests))
+        best, reason = pick(scored, self._settings.load_bound_tokens)
+        chosen, score = rotated[best], scored[best]
+        weight = LOAD_EWMA_WEIGHT if self._seen_requests else 1.0
+        self._mean_uncached += weight * (score.uncached_tokens - self._mean_uncached)
+        self._seen_requests = True
+        if matched is None:
+            return RouteDecision(chosen, NO_INDEX)
+        self._metrics.matched_blocks.observe(score.cached_tokens // self._block_size)
+        if hashes and chosen.replica_id is not None:
+            self._in_background(self._index.insert_speculative(chosen.replica_id, hashes,
+                                                               self._settings.speculative_ttl_s))
+        return RouteDecision(chosen, reason, score.cached_tokens)
+
+    async def _lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
+        """Matched blocks per live replica id, or None without an answer in time."""
+        if time.monotonic() < self._retry_at:
+            return None
+        start = time.perf_counter()
+        matched = await self._guarded(self._index.lookup(hashes))
+        if matched is not None:
+            self._metrics.index_lookup.observe(time.perf_counter() - start)
+        return matched
+
+    async def _guarded(self, call: Awaitable[Any]) -> Any | None:
+        """The call's result, or None when the index failed or was too slow (its state updated)."""
+        try:
+            result = await asyncio.wait_for(call, self._settings.lookup_timeout_s)
+        except TimeoutError:
+            self._timeouts += 1
+            self._index_failed(f"no answer within {self._settings.lookup_timeout_s * 1e3:.0f} ms",
+                               backoff=self._timeouts >= TIMEOUTS_BEFORE_BACKOFF)
+            return None
+        except IndexUnavailableError as exc:
+            self._index_failed(str(exc), backoff=True)
+            return None
+        self._timeouts = 0
+        if not self._index_ok:
+            log.info("prefix_index_available", index_url=self._index_url)
+            self._index_ok = True
+            self._metrics.index_available.set(1)
+        return result
+
+    def _index_failed(self, error: str, backoff: bool) -> None:
+        if backoff:
+            self._retry_at = time.monotonic() + INDEX_RETRY_S
+        if self._index_ok is not False:
+            log.warning("prefix_index_unavailable", index_url=self._index_url, error=error,
+                        routing="by load until it answers again")
+            self._index_ok = False
+            self._metrics.index_available.set(0)
+
+    def _in_background(self, call: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(self._guarded(call))
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+
+def make_router(config: GatewayConfig, metrics: GatewayMetrics) -> Router:
+    """The router of ``config.routing``; raises ValueError for an unknown policy."""
+    if config.routing == PrefixRouter.policy:
+        settings = PrefixSettings(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
+        return PrefixRouter(config.index_url, settings, metrics)
+    routers = {cls.policy: cls for cls in (LeastLoadRouter, RoundRobinRouter)}
+    if config.routing not in routers:
+        raise ValueError(f"unknown routing policy {config.routing!r}; choose one of prefix, {', '.join(routers)}")
+    return routers[config.routing]()

@@ -1,0 +1,186 @@
+"""The model's text side: tokenizer, chat template, cache-boundary probes and token strings.
+
+The tokenizer and chat template come from the GGUF metadata or the HF directory, loaded once with
+transformers. Converting a GGUF vocabulary takes seconds, so the converted fast tokenizer is cached
+on disk. The hot path calls the Rust ``tokenizers.Tokenizer`` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jinja2
+import structlog
+import tokenizers
+from tokenizers.decoders import ByteLevel
+
+from gateway.errors import APIError
+
+log = structlog.get_logger("gateway.tokenizer")
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def load_hf_tokenizer(path: str, cache_dir: Path) -> Any:
+    """A transformers fast tokenizer for a GGUF file (converted once, then cached) or an HF directory."""
+    import transformers
+
+    source = Path(path)
+    start = time.perf_counter()
+    if source.is_dir():
+        tok = transformers.AutoTokenizer.from_pretrained(str(source))
+        origin = "hf"
+    else:
+        stat = source.stat()
+        key = hashlib.sha256(
+            f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:"
+            f"{tokenizers.__version__}".encode()
+        ).hexdigest()[:24]
+        cached = cache_dir / "tokenizers" / key
+        if (cached / "tokenizer.json").is_file():
+            tok = transformers.AutoTokenizer.from_pretrained(str(cached))
+            origin = "cache"
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+            _save_atomically(tok, cached)
+            origin = "gguf"
+    log.info("tokenizer_loaded", path=path, origin=origin, seconds=round(time.perf_counter() - start, 2),
+             vocab_size=len(tok))
+    return tok
+
+
+def _save_atomically(tok: Any, target: Path) -> None:
+    """Several gateways may start at once: each writes aside and renames; the first rename wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "tokenizer.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class ChatPrompt(NamedTuple):
+    text: str
+    token_ids: list[int]
+    cache_boundaries: list[int]  # token positions where the system prompt / the last message end
+
+
+class Tokenizer:
+    """One per process, used from the event loop; its token-bytes and system-probe caches grow on use."""
+
+    def __init__(self, hf_tokenizer: Any, probe_cache_size: int = 1024):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        self.hf = hf_tokenizer
+        self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
+        self.vocab_size = len(hf_tokenizer)
+        try:
+            self.chat_template: str | None = hf_tokenizer.get_chat_template()
+        except ValueError:
+            self.chat_template = None
+        # apply_chat_template passes the special tokens to the template; so must we, for identical text.
+        self._template_kwargs = dict(hf_tokenizer.special_tokens_map)
+        # transformers' own sandboxed Jinja environment (filters, globals, extensions), compiled once.
+        # Its render_jinja_template wrapper deep-copies every message on each call: for our plain
+        # string dicts a no-op that costs as much as the rendering itself.
+        self._template = _compile_jinja_template(self.chat_template) if self.chat_template else None
+        self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
+        self._byte_decoder = (
+            {c: b for b, c in bytes_to_unicode().items()} if isinstance(self.backend.decoder, ByteLevel) else None
+        )
+        self._token_bytes: dict[int, bytes] = {}
+        self._probe_tokens = functools.lru_cache(maxsize=probe_cache_size)(self._probe_tokens_uncached)
+
+    # --- text <-> ids ---
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-level piece may be part of a UTF-8 character)."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._token_bytes_uncached(token_id)
+        return cached
+
+    def _token_bytes_uncached(self, token_id: int) -> bytes:
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is not None:
+            try:
+                return bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:
+                return piece.encode()
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    # --- chat template ---
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Exactly ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``."""
+        if self._template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._template_kwargs)
+        except jinja2.TemplateError as exc:  # the template's raise_exception(): a message the model rejects
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> ChatPrompt:
+        """Render and tokenize, and probe where the system prompt and the last message end."""
+        text = self.render(messages)
+        ids = self.encode(text, add_special_tokens=False)
+        boundaries: list[int] = []
+        num_system = 0
+        while num_system < len(messages) and messages[num_system]["role"] == "system":
+            num_system += 1
+        if 0 < num_system < len(messages):
+            key = tuple(tuple(sorted(m.items())) for m in messages[:num_system])
+            self._add_boundary(boundaries, self._probe_tokens(key), text, ids)
+        self._add_boundary(boundaries, self._probe(messages), text, ids)
+        log.debug("cache_boundaries", boundaries=boundaries, prompt_tokens=len(ids))
+        return ChatPrompt(text, ids, boundaries)
+
+    def _probe_tokens_uncached(self, key: tuple) -> tuple[str, list[int]] | None:
+        return self._probe([dict(items) for items in key])
+
+    def _probe(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]] | None:
+        """The messages rendered without a generation prompt, and their tokens."""
+        try:
+            text = self.render(messages, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 — a template may refuse a partial conversation: then no boundary
+            return None
+        return text, self.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _add_boundary(boundaries: list[int], probe: tuple[str, list[int]] | None, text: str, ids: list[int]) -> None:
+        """Keep a probe's end only if it is a true prefix of the prompt, as text and as tokens."""
+        if probe is None:
+            return
+        probe_text, probe_ids = probe
+        n = len(probe_ids)
+        if 0 < n < len(ids) and text.startswith(probe_text) and ids[:n] == probe_ids and n not in boundaries:
+            boundaries.append(n)

@@ -1,0 +1,95 @@
+"""Config: flags, then env, then defaults; every bad value names its setting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import DEFAULT_MODEL_NAME, ConfigError, default_model_path, load_config
+
+ENGINE = ["--engine", "http://127.0.0.1:9001"]
+
+
+def test_defaults_spawn_one_engine_with_the_default_model():
+    config = load_config([], environ={})
+    assert config.spawn is not None and config.spawn.count == 1
+    assert config.spawn.model == str(default_model_path())
+    assert config.tokenizer == str(default_model_path())
+    assert config.served_model_name == DEFAULT_MODEL_NAME
+    assert (config.host, config.port, config.routing, config.index_url) == ("127.0.0.1", 8000, "prefix", "memory://")
+    assert config.api_keys == () and not config.shared_prefix_cache and config.trusted_proxies == ()
+
+
+def test_flags_and_env_with_flag_winning():
+    env = {"KVGATE_PORT": "9000", "API_KEYS": "k1,k2", "KVGATE_ENGINES": "http://a:1,http://b:2/",
+           "KVGATE_SHARED_PREFIX_CACHE": "true", "KVGATE_TRUSTED_PROXIES": "10.0.0.0/8"}
+    config = load_config(["--port", "9100", "--api-key", "k3"], environ=env)
+    assert config.port == 9100  # the flag wins over KVGATE_PORT
+    assert config.api_keys == ("k3",)  # so does --api-key over API_KEYS
+    assert config.engines == ("http://a:1", "http://b:2")
+    assert config.spawn is None and config.served_model_name is None  # named by the engines' /stats
+    assert config.shared_prefix_cache and config.trusted_proxies == ("10.0.0.0/8",)
+
+
+def test_api_key_file_adds_keys(tmp_path: Path):
+    keys = tmp_path / "keys"
+    keys.write_text("# ops keys\nsk-one\n\n  sk-two  \n")
+    config = load_config([*ENGINE, "--api-key", "sk-zero", "--api-key-file", str(keys)], environ={})
+    assert config.api_keys == ("sk-zero", "sk-one", "sk-two")
+    assert "sk-" not in repr(config) and config.summary()["api_keys"] == 3
+
+
+def test_spawn_flags_pass_through():
+    config = load_config(["--spawn-engines", "2", "--model", "tiny", "--load-format", "dummy", "--device", "cuda",
+                          "--block-size", "32", "--max-num-seqs", "8", "--engine-args", "--num-kv-blocks 64"],
+                         environ={})
+    assert config.served_model_name is None  # a dummy shape: the engine's name ("tiny") is used
+    argv = config.spawn.argv("127.0.0.1", 9999, 1)
+    assert argv[:4] == [sys.executable, "-m", "engine", "serve"]
+    assert argv[argv.index("--device") + 1] == "cuda:1"  # engine i on GPU i
+    assert argv[argv.index("--block-size") + 1] == "32" and argv[-2:] == ["--num-kv-blocks", "64"]
+    assert argv[argv.index("--replica-id") + 1].endswith(":9999")  # unique per engine in a shared index
+    assert "--dtype" not in argv and "--index-url" not in argv  # unset flags keep the engine's defaults
+
+
+def test_spawned_engines_publish_to_a_shared_index_only():
+    redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
+    assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
+    assert "--index-url" not in load_config(["--index-url", "memory://"], environ={}).spawn.argv("h", 1, 0)
+
+
+@pytest.mark.parametrize("argv, env, named", [
+    (["--port", "eighty"], {}, "--port='eighty': must be an integer"),
+    ([], {"KVGATE_PORT": "70000"}, "KVGATE_PORT='70000': must be in [1, 65535]"),
+    ([*ENGINE, "--engine", "ftp://x"], {}, "--engine='ftp://x'"),
+    (["--routing", "random"], {}, "--routing='random'"),
+    (["--index-url", "mysql://x"], {}, "--index-url='mysql://x'"),
+    (["--root-path", "llm/"], {}, "--root-path='llm/'"),
+    (["--trusted-proxies", "proxy.local"], {}, "--trusted-proxies='proxy.local'"),
+    (["--api-key", "has space"], {}, "--api-key='<redacted>'"),
+    ([], {"KVGATE_SHARED_PREFIX_CACHE": "maybe"}, "KVGATE_SHARED_PREFIX_CACHE='maybe'"),
+    ([], {"KVGATE_LOG_LEVEL": "chatty"}, "KVGATE_LOG_LEVEL='chatty'"),
+    (["--max-in-flight", "0"], {}, "--max-in-flight='0'"),
+    (["--health-interval", "-1"], {}, "--health-interval='-1'"),
+    (["--api-key-file", "/nonexistent/keys"], {}, "--api-key-file='/nonexistent/keys'"),
+    ([*ENGINE, "--spawn-engines", "2"], {}, "--engine and --spawn-engines exclude each other"),
+    ([*ENGINE, "--model", "x.gguf"], {}, "--model only applies with --spawn-engines"),
+])
+def test_bad_values_name_the_setting(argv, env, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv, environ=env)
+    assert named in str(info.value)
+
+
+def test_cli_exits_2_naming_the_flag():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve", "--port", "x"], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2], timeout=60)
+    assert proc.returncode == 2 and "--port='x': must be an integer" in proc.stderr
+
+
+def test_env_lists_are_comma_separated_and_trimmed():
+    assert load_config(ENGINE, environ={"API_KEYS": "k1, k2,"}).api_keys == ("k1", "k2")

@@ -1,0 +1,434 @@
+"""Prefix routing, replica health and failover, in process: the scoring rule, the router over a real
+memory:// index (and a failing one), the circuit breaker on a fake clock, and the pool against engines
+mocked at the HTTP transport."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import httpx
+import pytest
+from structlog.testing import capture_logs
+
+from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+from gateway import router as router_module
+from gateway.engine_client import EngineFailed
+from gateway.health import BreakerState, CircuitBreaker
+from gateway.metrics import GatewayMetrics
+from gateway.pool import MAX_ATTEMPTS, EnginePool, NoReplicaAvailable
+from gateway.router import (
+    Candidate,
+    PrefixRouter,
+    PrefixSettings,
+    Replica,
+    RoundRobinRouter,
+    RouteRequest,
+    pick,
+)
+from prefix_index.events import BlockStored, KVEventBatch
+from prefix_index.hashing import block_hashes
+from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
+
+MODEL, BLOCK = "tiny", 16
+PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks
+STATS = {"model": MODEL, "block_size": BLOCK, "max_model_len": 1024, "vocab_size": 49152, "eos_token_ids": [2],
+         "num_running": 0, "num_waiting": 0}
+
+
+# --- the scoring rule ---
+
+
+@pytest.mark.parametrize("candidates, bound, expected", [
+    # equal queues: the best-cached replica
+    ([Candidate(0, 100, 0, 0), Candidate(64, 36, 0, 0), Candidate(32, 68, 0, 0)], 4096, (1, "prefix_hit")),
+    # a second request with the same prompt waits behind the first rather than recomputing it elsewhere
+    ([Candidate(99, 1, 100, 1), Candidate(0, 100, 0, 0)], 4096, (0, "prefix_hit")),
+    # ... but never beyond the bound
+    ([Candidate(99, 1, 100, 1), Candidate(0, 100, 0, 0)], 99, (1, "load_override")),
+    # a one-block match does not buy a long queue: waiting costs more than the 16 tokens it saves
+    ([Candidate(16, 984, 200, 1), Candidate(0, 1000, 0, 0)], 4096, (1, "load_override")),
+    # nothing cached anywhere: the shortest queue, then the fewest requests, then the first listed
+    ([Candidate(0, 100, 50, 0), Candidate(0, 100, 10, 3), Candidate(0, 100, 10, 1)], 4096, (2, "prefix_miss")),
+    ([Candidate(0, 100, 0, 2), Candidate(0, 100, 0, 2)], 4096, (0, "prefix_miss")),
+    # bound 0: only the least loaded replicas qualify; among them, cache still counts
+    ([Candidate(90, 10, 5, 0), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 0, (1, "load_override")),
+])
+def test_pick(candidates: list[Candidate], bound: int, expected: tuple[int, str]):
+    assert pick(candidates, bound) == expected
+
+
+# --- the router over an index ---
+
+
+def sample(metric, suffix: str = "") -> float:
+    (value,) = [s.value for s in metric.collect()[0].samples if s.name.endswith(suffix)]
+    return value
+
+
+def replica(name: str, replica_id: str | None = None, **fields) -> Replica:
+    return Replica(f"http://{name}", client=None, ready=True, replica_id=replica_id, **fields)
+
+
+async def live_index(url: str, held: dict[str, Sequence[bytes]]) -> PrefixIndex:
+    """A memory:// index where replica id -> the listed blocks (stored durably) and every one is live."""
+    index = open_index(url, MODEL, BLOCK)
+    for replica_id, hashes in held.items():
+        await index.apply(KVEventBatch(replica_id, 1, [BlockStored(list(hashes))] if hashes else []))
+        assert await index.heartbeat(replica_id, 1, ttl_s=60)
+    return index
+
+
+async def started_router(url: str, metrics: GatewayMetrics | None = None, **settings) -> PrefixRouter:
+    router = PrefixRouter(url, PrefixSettings(**settings), metrics or GatewayMetrics())
+    await router.start(MODEL, BLOCK)
+    return router
+
+
+@pytest.fixture
+def index_url() -> str:
+    return f"memory://routing-{uuid.uuid4().hex}"
+
+
+async def test_router_follows_the_index_with_the_tenant_salt(index_url):
+    hashes = block_hashes(PROMPT, BLOCK, "tenant-a")
+    index = await live_index(index_url, {"e0": [], "e1": hashes[:4], "e2": hashes[:2]})
+    metrics = GatewayMetrics()
+    router = await started_router(index_url, metrics)
+    replicas = [replica("a", "e0"), replica("b", "e1"), replica("c", "e2")]
+    decision = await router.choose(RouteRequest(PROMPT, "tenant-a"), replicas)
+    assert (decision.replica.url, decision.reason, decision.predicted_cached_tokens) == ("http://b", "prefix_hit", 64)
+    assert sample(metrics.matched_blocks, "_sum") == 4
+    # another tenant's salt hashes differently: nothing is cached for it
+    other = await router.choose(RouteRequest(PROMPT, "tenant-b"), replicas)
+    assert (other.reason, other.predicted_cached_tokens) == ("prefix_miss", 0)
+    # a replica whose id the index does not know, or that has none, predicts nothing
+    unknown = await router.choose(RouteRequest(PROMPT, "tenant-a"), [replica("a", "e0"), replica("x")])
+    assert unknown.reason == "prefix_miss"
+    await router.close()
+    await index.close()
+
+
+async def test_a_fully_cached_prompt_still_computes_one_token(index_url):
+    prompt = PROMPT[:64]
+    index = await live_index(index_url, {"e0": block_hashes(prompt, BLOCK), "e1": []})
+    router = await started_router(index_url)
+    decision = await router.choose(RouteRequest(prompt, None), [replica("a", "e0"), replica("b", "e1")])
+    assert (decision.replica.url, decision.predicted_cached_tokens) == ("http://a", 63)
+    await router.close()
+    await index.close()
+
+
+async def test_speculative_entries_bring_a_prefix_together_across_gateways(index_url):
+    """Gateway A routes a fresh prompt; gateway B, asked for the same prefix before the engine computed
+    anything, sends it to the same replica."""
+    index = await live_index(index_url, {"e0": [], "e1": [], "e2": []})
+    gateway_a, gateway_b = await started_router(index_url), await started_router(index_url)
+    replicas_a = [replica(n, f"e{i}") for i, n in enumerate("abc")]
+    replicas_b = [replica(n, f"e{i}") for i, n in enumerate("abc")]
+    first = await gateway_a.choose(RouteRequest(PROMPT, None), replicas_a)
+    assert first.reason == "prefix_miss"
+    chosen_id = first.replica.replica_id
+    hashes = block_hashes(PROMPT, BLOCK)
+    for _ in range(100):  # the insert runs in the background
+        if (await index.lookup(hashes)).get(chosen_id) == len(hashes):
+            break
+        await asyncio.sleep(0.01)
+    longer = PROMPT + [7] * 40  # the next turn of the conversation
+    second = await gateway_b.choose(RouteRequest(longer, None), replicas_b)
+    assert (second.replica.replica_id, second.reason, second.predicted_cached_tokens) == (chosen_id, "prefix_hit", 96)
+    for router in (gateway_a, gateway_b):
+        await router.close()
+    await index.close()
+
+
+async def test_queued_prefill_and_other_gateways_requests_count_as_load(index_url):
+    index = await live_index(index_url, {"e0": block_hashes(PROMPT, BLOCK)[:3], "e1": []})
+    router = await started_router(index_url, load_bound_tokens=100)
+    busy, idle = replica("a", "e0"), replica("b")  # no index id: it never gets speculative entries
+    assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy
+    busy.pending_prefill_tokens = 101  # this gateway's queued prefill there: past the bound
+    assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).reason == "load_override"
+    busy.pending_prefill_tokens = 0
+    # another gateway's requests, seen in the engine's /stats, weigh the mean uncached prompt each
+    busy.stats = {"num_running": 1, "num_waiting": 1}
+    assert busy.other_requests == 2
+    decision = await router.choose(RouteRequest(PROMPT, None), [busy, idle])
+    assert (decision.replica, decision.reason) == (idle, "load_override")
+    busy.in_flight_at_poll = 2  # they were this gateway's own
+    assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy
+    await router.close()
+    await index.close()
+
+
+class FlakyIndex(PrefixIndex):
+    """Lookups fail (``down``), hang (``slow``) or answer that nothing is cached."""
+
+    def __init__(self) -> None:
+        super().__init__(MODEL, BLOCK, "test")
+        self.down = self.slow = False
+        self.lookups = self.inserts = 0
+
+    async def lookup(self, block_hashes):
+        self.lookups += 1
+        if self.down:
+            raise IndexUnavailableError("redis: connection refused")
+        if self.slow:
+            await asyncio.sleep(10)
+        return {"e0": 0, "e1": 0}
+
+    async def insert_speculative(self, replica_id, block_hashes, ttl_s):
+        self.inserts += 1
+
+    async def apply(self, batch): ...
+    async def clear(self, replica_id): ...
+    async def heartbeat(self, replica_id, epoch, ttl_s): ...
+    async def live_replicas(self): ...
+    async def close(self): ...
+
+
+@pytest.fixture
+def flaky(monkeypatch) -> FlakyIndex:
+    index = FlakyIndex()
+    monkeypatch.setattr(router_module, "open_index", lambda *args, **kwargs: index)
+    return index
+
+
+async def test_index_down_routes_by_load_logs_once_and_backs_off(flaky):
+    metrics = GatewayMetrics()
+    router = await started_router("redis://127.0.0.1:1/0", metrics)
+    replicas = [replica("a", "e0", pending_prefill_tokens=500), replica("b", "e1")]
+    flaky.down = True
+    with capture_logs() as logs:
+        reasons = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(5)]
+    assert {(d.replica.url, d.reason) for d in reasons} == {("http://b", "no_index")}
+    assert flaky.lookups == 1 and flaky.inserts == 0  # backing off: the next four did not ask
+    assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
+    assert sample(metrics.index_available) == 0
+    flaky.down = False
+    router._retry_at = 0.0  # as if INDEX_RETRY_S had passed
+    with capture_logs() as logs:
+        decisions = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(3)]
+    assert {d.reason for d in decisions} == {"prefix_miss"} and flaky.lookups == 4
+    assert [x["event"] for x in logs] == ["prefix_index_available"]
+    await router.close()
+
+
+async def test_a_slow_index_times_out_and_repeated_timeouts_back_off(flaky):
+    router = await started_router("redis://127.0.0.1:1/0", lookup_timeout_s=0.01)
+    replicas = [replica("a", "e0"), replica("b", "e1")]
+    flaky.slow = True
+    for _ in range(router_module.TIMEOUTS_BEFORE_BACKOFF + 2):
+        assert (await router.choose(RouteRequest(PROMPT, None), replicas)).reason == "no_index"
+    assert flaky.lookups == router_module.TIMEOUTS_BEFORE_BACKOFF
+    await router.close()
+
+
+# --- the circuit breaker ---
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_with_backoff():
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=3, base_cooldown_s=1.0, max_cooldown_s=3.0, clock=clock)
+    b.record_failure()
+    b.record_failure()
+    b.record_success()  # resets the count
+    b.record_failure()
+    b.record_failure()
+    assert b.state is BreakerState.CLOSED
+    b.record_failure()
+    assert b.state is BreakerState.OPEN and not b.probe_due()
+    clock.now = 1.0
+    assert b.probe_due() and b.state is BreakerState.HALF_OPEN and not b.closed
+    b.record_failure()  # the probe failed: open again, for twice as long
+    assert b.state is BreakerState.OPEN and b.cooldown_s == 2.0
+    clock.now = 2.9
+    assert not b.probe_due()
+    clock.now = 3.0
+    assert b.probe_due()
+    b.record_failure()
+    assert b.cooldown_s == 3.0  # capped
+    clock.now = 6.0
+    assert b.probe_due()
+    b.record_success()
+    assert b.closed and b.cooldown_s == 1.0 and b.failures == 0
+
+
+def test_a_refused_connection_opens_the_breaker_at_once():
+    b = CircuitBreaker(clock=Clock())
+    b.record_failure(refused=True)
+    assert b.state is BreakerState.OPEN
+
+
+# --- the pool: health from polls, failover, load accounting ---
+
+
+class Engines:
+    """Engines mocked at the transport: per host, /stats answers and a /generate behaviour."""
+
+    def __init__(self, hosts: str):
+        self.stats: dict[str, object] = {h: {**STATS, "replica_id": f"id-{h}"} for h in hosts}
+        self.generate: dict[str, str] = dict.fromkeys(hosts, "ok")  # ok | refuse | reset_first | reset_later
+        self.calls: list[str] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/stats":
+            answer = self.stats[host]
+            if isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, int):
+                return httpx.Response(answer, json={"error": {"message": "engine is loading"}})
+            return httpx.Response(200, json=answer)
+        self.calls.append(host)
+        mode = self.generate[host]
+        if mode == "refuse":
+            raise httpx.ConnectError("connection refused")
+        frames = [OutputFrame("r", 0, [5]).pack(), OutputFrame("r", 0, [6], finish_reason="length").pack()]
+
+        class Body(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                if mode == "reset_first":
+                    raise httpx.ReadError("connection reset")
+                yield frames[0]
+                if mode == "reset_later":
+                    raise httpx.ReadError("connection reset")
+                yield frames[1]
+
+        return httpx.Response(200, stream=Body())
+
+
+REQUEST = GenerateRequest("r", list(range(40)), SamplingParams(max_tokens=2))
+
+
+async def ready_pool(engines: Engines, breaker=CircuitBreaker) -> tuple[EnginePool, httpx.MockTransport]:
+    transport = httpx.MockTransport(engines.handler)
+    pool = EnginePool([f"http://{h}:1" for h in engines.stats], transport, RoundRobinRouter(), GatewayMetrics(),
+                      breaker=breaker)
+    await pool.wait_ready(timeout=5, require_all=True)
+    return pool, transport
+
+
+def routed(pool: EnginePool) -> dict[tuple[str, str], float]:
+    return {(s.labels["replica"], s.labels["reason"]): s.value
+            for s in pool.metrics.routed.collect()[0].samples if s.name.endswith("_total")}
+
+
+async def test_refused_replica_fails_over_and_is_taken_out():
+    engines = Engines("ab")
+    engines.generate["a"] = "refuse"
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    assert stream.replica.url == "http://b:1" and stream.decision.reason == "failover"
+    assert [f.token_ids async for f in stream.frames()] == [[5], [6]]
+    await stream.aclose()
+    a = pool.replicas[0]
+    assert not a.ready and a.breaker.state is BreakerState.OPEN and "unreachable" in a.error
+    assert routed(pool) == {("http://b:1", "failover"): 1.0}
+    assert [r.url for r in pool.ready_replicas()] == ["http://b:1"]
+    await transport.aclose()
+
+
+async def test_a_stream_broken_before_its_first_frame_moves_to_another_replica():
+    engines = Engines("ab")
+    engines.generate["a"] = "reset_first"
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    assert stream.replica.url == "http://a:1"
+    assert [f.token_ids async for f in stream.frames()] == [[5], [6]]
+    assert stream.replica.url == "http://b:1" and engines.calls == ["a", "b"]
+    a, b = pool.replicas
+    assert a.breaker.failures == 1 and a.ready  # one reset does not take a replica out
+    assert (a.in_flight, b.in_flight) == (0, 1)
+    await stream.aclose()
+    assert b.in_flight == 0
+    await transport.aclose()
+
+
+async def test_a_stream_broken_after_its_first_frame_fails():
+    engines = Engines("ab")
+    engines.generate["a"] = "reset_later"
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    got = []
+    with pytest.raises(EngineFailed, match="lost the connection to engine http://a:1"):
+        async for frame in stream.frames():
+            got.append(frame.token_ids)
+    assert got == [[5]] and engines.calls == ["a"]  # the client saw a token: no retry
+    await stream.aclose()
+    await transport.aclose()
+
+
+async def test_failover_is_bounded():
+    engines = Engines("abcd")
+    engines.generate = dict.fromkeys("abcd", "reset_first")
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    with pytest.raises(EngineFailed, match="no other replica took the request: every engine replica failed"):
+        async for _ in stream.frames():
+            pass
+    assert len(engines.calls) == MAX_ATTEMPTS
+    assert all(r.in_flight == 0 and r.pending_prefill_tokens == 0 for r in pool.replicas)
+    await stream.aclose()
+    await transport.aclose()
+
+
+async def test_no_replica_takes_the_request():
+    engines = Engines("ab")
+    engines.generate = {"a": "refuse", "b": "refuse"}
+    pool, transport = await ready_pool(engines)
+    with pytest.raises(NoReplicaAvailable, match="every engine replica failed"):
+        await pool.open(REQUEST)
+    with pytest.raises(NoReplicaAvailable, match="no engine replica is ready"):
+        await pool.open(REQUEST)
+    await transport.aclose()
+
+
+async def test_load_is_counted_until_the_first_frame_and_released_on_close():
+    engines = Engines("a")
+    pool, transport = await ready_pool(engines)
+    (a,) = pool.replicas
+    stream = await pool.open(REQUEST)
+    assert (a.in_flight, a.pending_prefill_tokens) == (1, 40)
+    frames = stream.frames()
+    await anext(frames)
+    assert (a.in_flight, a.pending_prefill_tokens) == (1, 0)
+    await frames.aclose()
+    await stream.aclose()
+    await stream.aclose()  # idempotent
+    assert (a.in_flight, a.pending_prefill_tokens) == (0, 0)
+    await transport.aclose()
+
+
+async def test_polls_open_the_breaker_then_probe_it_closed():
+    clock = Clock()
+    engines = Engines("ab")
+    pool, transport = await ready_pool(engines, breaker=lambda: CircuitBreaker(clock=clock))
+    a = pool.replicas[0]
+    engines.stats["a"] = 503  # reachable but not ready (restarting): out, without tripping the breaker
+    with capture_logs() as logs:
+        await pool.poll()
+        await pool.poll()
+    assert not a.ready and a.breaker.closed and "loading" in a.error
+    assert [x["event"] for x in logs] == ["replica_down"]  # once per change, not per poll
+    engines.stats["a"] = httpx.ConnectError("connection refused")
+    await pool.poll()
+    assert a.breaker.state is BreakerState.OPEN
+    engines.stats["a"] = {**STATS, "replica_id": "id-a"}
+    await pool.poll()  # cooling down: not even probed
+    assert not a.ready
+    clock.now = a.breaker.cooldown_s
+    with capture_logs() as logs:
+        await pool.poll()  # the probe
+    assert a.ready and a.breaker.closed and a.error is None
+    assert [x["event"] for x in logs] == ["replica_ready"]
+    await transport.aclose()

@@ -1,0 +1,177 @@
+"""Routers, the engine pool and the engine client, against engines mocked at the HTTP transport."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import msgpack
+import pytest
+
+from engine.protocol import GenerateRequest, OutputFrame, SamplingParams, TokenLogprob
+from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable, pack_request
+from gateway.pool import EnginePool
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.router import LeastLoadRouter, PrefixRouter, Replica, RoundRobinRouter, RouteRequest, make_router
+
+STATS = {"model": "tiny", "block_size": 16, "max_model_len": 1024, "vocab_size": 49152, "eos_token_ids": [2],
+         "num_running": 0, "num_waiting": 0, "num_free_blocks": 64, "num_total_blocks": 64}
+ROUTE = RouteRequest([1, 2, 3], None)
+
+
+def replicas(*loads: tuple[int, int]) -> list[Replica]:
+    out = []
+    for i, (in_flight, waiting) in enumerate(loads):
+        r = Replica(f"http://e{i}", client=None, ready=True, in_flight=in_flight, stats={"num_waiting": waiting})
+        out.append(r)
+    return out
+
+
+async def test_round_robin_cycles():
+    router, rs = RoundRobinRouter(), replicas((0, 0), (5, 0), (9, 9))
+    chosen = [(await router.choose(ROUTE, rs)).replica.url for _ in range(6)]
+    assert chosen == ["http://e0", "http://e1", "http://e2"] * 2
+
+
+async def test_least_load_counts_own_in_flight_and_engine_queue():
+    router = LeastLoadRouter()
+    rs = replicas((3, 0), (1, 1), (0, 4))
+    assert {(await router.choose(ROUTE, rs)).replica.url for _ in range(5)} == {"http://e1"}
+    decision = await router.choose(ROUTE, rs)
+    assert decision.reason == "least_load" and decision.predicted_cached_tokens == 0
+
+
+async def test_least_load_spreads_ties():
+    router = LeastLoadRouter()
+    rs = replicas((1, 0), (1, 0), (2, 0))
+    assert {(await router.choose(ROUTE, rs)).replica.url for _ in range(4)} == {"http://e0", "http://e1"}
+
+
+def test_make_router_names_policies():
+    metrics = GatewayMetrics()
+    assert isinstance(make_router(GatewayConfig(routing="least-load"), metrics), LeastLoadRouter)
+    assert isinstance(make_router(GatewayConfig(routing="round-robin"), metrics), RoundRobinRouter)
+    prefix = make_router(GatewayConfig(routing="prefix", prefix_load_bound=100), metrics)
+    assert isinstance(prefix, PrefixRouter) and prefix.policy == "prefix"
+    with pytest.raises(ValueError, match="prefix, least-load, round-robin"):
+        make_router(GatewayConfig(routing="random"), metrics)
+
+
+def engine_transport(stats_by_host: dict[str, object]) -> httpx.MockTransport:
+    """/stats per host: a dict (200), an int (that status), or an exception to raise."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = stats_by_host[request.url.host]
+        if isinstance(answer, Exception):
+            raise answer
+        if isinstance(answer, int):
+            return httpx.Response(answer, json={"error": {"message": "engine is loading", "param": None}})
+        return httpx.Response(200, json=answer)
+
+    return httpx.MockTransport(handler)
+
+
+async def test_pool_readiness_model_and_mismatch():
+    other_model = {**STATS, "max_model_len": 2048}
+    answers = {"a": STATS, "b": 503, "c": httpx.ConnectError("refused"), "d": other_model}
+    async with engine_transport(answers) as transport:
+        pool = EnginePool([f"http://{h}:1" for h in "abcd"], transport, LeastLoadRouter())
+        model = await pool.wait_ready(timeout=5, require_all=False)
+        assert (model.name, model.limits.max_model_len, model.block_size) == ("tiny", 1024, 16)
+        assert model.eos_token_ids == (2,)
+        assert [r.url for r in pool.ready_replicas()] == ["http://a:1"]
+        errors = {r.url: r.error for r in pool.replicas}
+        assert "loading" in errors["http://b:1"] and "unreachable" in errors["http://c:1"]
+        assert "different model shape" in errors["http://d:1"]
+        answers["b"] = STATS  # b finished loading: the next poll brings it in
+        await pool.poll()
+        assert [r.url for r in pool.ready_replicas()] == ["http://a:1", "http://b:1"]
+        decision = await pool.route(ROUTE, exclude=[pool.replicas[0]])
+        assert decision.replica.url == "http://b:1"
+
+
+async def test_pool_refuses_a_second_engine_under_the_same_replica_id():
+    answers = {"a": {**STATS, "replica_id": "gpu-0"}, "b": {**STATS, "replica_id": "gpu-0"},
+               "c": {**STATS, "replica_id": "gpu-1"}}
+    async with engine_transport(answers) as transport:
+        pool = EnginePool([f"http://{h}:1" for h in "abc"], transport, LeastLoadRouter())
+        await pool.poll()
+        assert [(r.url, r.replica_id) for r in pool.ready_replicas()] == [("http://a:1", "gpu-0"),
+                                                                          ("http://c:1", "gpu-1")]
+        assert "already used by http://a:1" in pool.replicas[1].error
+
+
+async def test_wait_ready_times_out_naming_the_replicas():
+    async with engine_transport({"a": 503}) as transport:
+        pool = EnginePool(["http://a:1"], transport, LeastLoadRouter())
+        with pytest.raises(RuntimeError, match="http://a:1: engine http://a:1 not ready"):
+            await pool.wait_ready(timeout=0.3, require_all=True)
+
+
+def frames_body(frames: list[OutputFrame], chunk: int) -> httpx.AsyncByteStream:
+    data = b"".join(f.pack() for f in frames)
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(0, len(data), chunk):
+                yield data[i:i + chunk]
+
+    return Chunks()
+
+
+async def test_engine_client_streams_frames_split_anywhere():
+    frames = [OutputFrame("r", 0, [5, 6], [TokenLogprob(-0.5, [(5, -0.5), (9, -1.0)])] * 2, None, 3, 1),
+              OutputFrame("r", 1, [7], None, "length", 3, 1)]
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = msgpack.unpackb(request.content, strict_map_key=False)
+        seen["type"] = request.headers["content-type"]
+        return httpx.Response(200, stream=frames_body(frames, chunk=3))
+
+    async with httpx.MockTransport(handler) as transport:
+        request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=2, n=2), "tenant", [2])
+        stream = await EngineClient("http://e:1", transport).open(request)
+        got = [f async for f in stream.frames()]
+        await stream.aclose()
+    assert got == frames
+    assert seen["type"] == "application/x-msgpack" and seen["body"] == request.to_wire()
+
+
+def test_pack_request_is_the_protocol_encoding():
+    request = GenerateRequest("r", list(range(300)), SamplingParams(max_tokens=3, n=2, seed=9, logit_bias={5: -1.5},
+                                                                     stop_token_ids=[7], logprobs=2), "salt", [16, 32])
+    assert pack_request(request) == request.pack()
+
+
+@pytest.mark.parametrize("status, error", [(400, EngineRejected), (503, EngineUnavailable), (500, EngineUnavailable)])
+async def test_engine_client_maps_error_statuses(status, error):
+    body = {"error": {"message": "prompt_ids[0] = 99999 is outside the vocabulary", "param": "prompt_ids"}}
+    async with httpx.MockTransport(lambda r: httpx.Response(status, content=json.dumps(body))) as transport:
+        with pytest.raises(error) as info:
+            await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
+    if status == 400:
+        assert info.value.param == "prompt_ids" and "vocabulary" in info.value.message
+
+
+async def test_engine_client_connection_errors():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+
+    async with httpx.MockTransport(refuse) as transport:
+        with pytest.raises(EngineUnavailable, match="unreachable"):
+            await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield OutputFrame("r", 0, [5]).pack()
+            raise httpx.ReadError("connection reset")
+
+    async with httpx.MockTransport(lambda r: httpx.Response(200, stream=Broken())) as transport:
+        stream = await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
+        got = []
+        with pytest.raises(EngineFailed, match="lost the connection"):
+            async for frame in stream.frames():
+                got.append(frame)
+        assert [f.token_ids for f in got] == [[5]]

@@ -1,0 +1,191 @@
+"""Chat templates rendered byte-identically to transformers' apply_chat_template; probed boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import default_model_path
+from gateway.schemas import ChatCompletionRequest
+from gateway.tokenizer import Tokenizer, load_hf_tokenizer
+
+# OpenAI-shaped conversations, and what the chat template sees of them (developer → system, text parts
+# joined with newlines).
+CONVERSATIONS = [
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}], None),
+    ([{"role": "user", "content": "What is 2+2?"}], None),
+    ([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello"},
+      {"role": "assistant", "content": "Hi! How can I help?"}, {"role": "user", "content": "Tell me a joke."}], None),
+    ([{"role": "user", "content": f"turn {i}"} if i % 2 == 0 else {"role": "assistant", "content": f"reply {i}"}
+      for i in range(9)], None),
+    ([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Good morning"}],
+     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Good morning"}]),
+    ([{"role": "user", "content": [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second."}]}],
+     [{"role": "user", "content": "First part.\nSecond."}]),
+    ([{"role": "system", "content": "Ünïcödé 🙂"}, {"role": "user", "content": "日本語で答えて 😀👍🏽"}], None),
+    ([{"role": "user", "content": "literal <|im_end|> and <|im_start|>assistant inside"}], None),
+    ([{"role": "system", "content": ""}, {"role": "user", "content": ""}], None),
+    ([{"role": "user", "content": "Finish this:"}, {"role": "assistant", "content": "Once upon"}], None),
+    ([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi", "name": "alice"}], None),
+    ([{"role": "system", "content": "  leading and trailing  \n\n"},
+      {"role": "user", "content": "\ttabs\n\nand\r\nCRLF "}], None),
+    ([{"role": "system", "content": "A long shared system prompt. " * 60}, {"role": "user", "content": "Q?"}], None),
+]
+
+
+def template_messages(openai_messages: list[dict]) -> list[dict]:
+    return ChatCompletionRequest.model_validate({"messages": openai_messages}).template_messages()
+
+
+@pytest.mark.parametrize("openai_messages, expected_template_input", CONVERSATIONS)
+def test_rendering_and_tokens_match_apply_chat_template(tokenizer, hf_tokenizer, openai_messages,
+                                                        expected_template_input):
+    messages = template_messages(openai_messages)
+    reference_input = expected_template_input or openai_messages
+    assert messages == reference_input
+    prompt = tokenizer.chat_prompt(messages)
+    reference_text = hf_tokenizer.apply_chat_template(reference_input, tokenize=False, add_generation_prompt=True)
+    assert prompt.text.encode() == reference_text.encode()
+    reference_ids = hf_tokenizer.apply_chat_template(reference_input, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+    assert prompt.token_ids == list(reference_ids)
+
+
+def test_boundaries_point_at_the_end_of_the_system_prompt_and_of_the_last_message(tokenizer):
+    messages = template_messages([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello"},
+                                  {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Joke?"}])
+    prompt = tokenizer.chat_prompt(messages)
+    system_end, last_end = prompt.cache_boundaries
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert decode(prompt.token_ids[:system_end]) == "<|im_start|>system\nBe kind.<|im_end|>\n"
+    assert decode(prompt.token_ids[system_end:last_end]) == (
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n<|im_start|>user\nJoke?<|im_end|>\n")
+    assert decode(prompt.token_ids[last_end:]) == "<|im_start|>assistant\n"  # only the generation prompt follows
+
+
+def test_next_turn_shares_the_prefix_up_to_the_last_boundary(tokenizer):
+    turn1 = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello there"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Hi! What's up?"}, {"role": "user", "content": "Not much."}]
+    first = tokenizer.chat_prompt(template_messages(turn1))
+    second = tokenizer.chat_prompt(template_messages(turn2))
+    b = first.cache_boundaries[-1]
+    assert second.token_ids[:b] == first.token_ids[:b]
+    assert first.cache_boundaries[0] == second.cache_boundaries[0]  # same system prompt, same boundary
+
+
+def test_without_a_system_message_only_the_last_message_boundary(tokenizer):
+    prompt = tokenizer.chat_prompt(template_messages([{"role": "user", "content": "Hello"}]))
+    (last_end,) = prompt.cache_boundaries
+    assert tokenizer.decode(prompt.token_ids[last_end:], skip_special_tokens=False) == "<|im_start|>assistant\n"
+
+
+def test_system_probe_is_cached_per_system_prompt(tokenizer):
+    system = {"role": "system", "content": "A cached system prompt."}
+    tokenizer.chat_prompt(template_messages([system, {"role": "user", "content": "one"}]))
+    hits = tokenizer._probe_tokens.cache_info().hits
+    again = tokenizer.chat_prompt(template_messages([system, {"role": "user", "content": "two"}]))
+    assert tokenizer._probe_tokens.cache_info().hits == hits + 1
+    assert tokenizer.decode(again.token_ids[: again.cache_boundaries[0]], skip_special_tokens=False).endswith(
+        "A cached system prompt.<|im_end|>\n")
+
+
+@pytest.fixture(scope="module")
+def make_template_tokenizer(hf_tokenizer, tmp_path_factory):
+    """A Tokenizer over the same vocabulary with another chat template, loaded from an HF directory."""
+
+    def make(template: str) -> tuple[Tokenizer, object]:
+        path = tmp_path_factory.mktemp("hf")
+        original = hf_tokenizer.chat_template
+        hf_tokenizer.chat_template = template
+        try:
+            hf_tokenizer.save_pretrained(str(path))
+        finally:
+            hf_tokenizer.chat_template = original
+        hf = load_hf_tokenizer(str(path), Path(path))
+        return Tokenizer(hf), hf
+
+    return make
+
+
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+ZEPHYR_STYLE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+COUNTING = ("{{ messages | length }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
+GLUED = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ing{% endif %}"
+
+
+@pytest.mark.parametrize("template", [LLAMA3_STYLE, ZEPHYR_STYLE])
+def test_other_templates_from_tokenizer_config_match_apply_chat_template(make_template_tokenizer, template):
+    tok, hf = make_template_tokenizer(template)
+    for openai_messages, expected in CONVERSATIONS[:4]:
+        messages = template_messages(openai_messages)
+        prompt = tok.chat_prompt(messages)
+        assert prompt.text == hf.apply_chat_template(expected or openai_messages, tokenize=False,
+                                                     add_generation_prompt=True)
+        assert prompt.token_ids == list(hf.apply_chat_template(expected or openai_messages, tokenize=True,
+                                                               add_generation_prompt=True, return_dict=False))
+        for b in prompt.cache_boundaries:  # every boundary is a verified token prefix
+            probe_text = tok.decode(prompt.token_ids[:b], skip_special_tokens=False)
+            assert prompt.text.startswith(probe_text)
+
+
+def test_probe_that_is_no_text_prefix_gives_no_boundary(make_template_tokenizer):
+    tok, _ = make_template_tokenizer(COUNTING)  # the system probe "1[sys]" is no prefix of "2[sys][hi]>"
+    prompt = tok.chat_prompt([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}])
+    assert prompt.text == "2[sys][hi]>"
+    assert prompt.cache_boundaries == [len(tok.encode("2[sys][hi]", False))]  # only the last-message one
+
+
+def test_probe_that_is_no_token_prefix_gives_no_boundary(make_template_tokenizer):
+    tok, _ = make_template_tokenizer(GLUED)
+    # "Say" + generation prompt "ing" tokenizes as "Saying": the probe's tokens are no prefix of it.
+    assert tok.encode("Saying", False)[: len(tok.encode("Say", False))] != tok.encode("Say", False)
+    prompt = tok.chat_prompt([{"role": "user", "content": "Say"}])
+    assert prompt.text == "Saying" and prompt.cache_boundaries == []
+
+
+def test_token_bytes_rebuild_the_text_exactly(tokenizer):
+    text = "naïve café — 日本語 🙂 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+    partial = [t for t in ids if tokenizer.token_text(t) == "\ufffd"]
+    assert partial, "some token must hold only part of a character"
+    assert all(len(tokenizer.token_bytes(t)) < 4 for t in partial)
+
+
+@pytest.mark.slow
+def test_cached_tokenizer_equals_a_fresh_gguf_conversion(tmp_path):
+    gguf = str(default_model_path())
+    fresh = load_hf_tokenizer(gguf, tmp_path)  # converts and writes the cache
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    cached = load_hf_tokenizer(gguf, tmp_path)  # reads the cache
+    assert (entry / "tokenizer.json").is_file()
+    assert cached.chat_template == fresh.chat_template and cached.special_tokens_map == fresh.special_tokens_map
+    assert len(cached) == len(fresh)
+    for text in ["Hello world", "  spaces\n\ttabs", "日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "x" * 500]:
+        for special in (True, False):
+            ids = cached(text, add_special_tokens=special)["input_ids"]
+            assert ids == fresh(text, add_special_tokens=special)["input_ids"]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert cached.apply_chat_template(messages, tokenize=False) == fresh.apply_chat_template(messages, tokenize=False)
+
+
+def test_template_refusal_is_a_400_naming_messages(make_template_tokenizer):
+    from gateway.errors import APIError
+
+    tok, _ = make_template_tokenizer(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(APIError) as info:
+        tok.chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "the first message must be the user" in info.value.message
+    assert tok.chat_prompt([{"role": "user", "content": "u"}]).text == "u"
