@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence as Seq
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata

@@ -64,7 +64,15 @@ class GenerateRequest:
     cache_boundaries: list[int] = field(default_factory=list)  # exact-position prefix boundaries
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # shallow on purpose: asdict() would deep-copy every prompt token (13 ms for 8K tokens)
+        sampling = self.sampling
+        return {
+            "request_id": self.request_id,
+            "prompt_ids": self.prompt_ids,
+            "sampling": {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)},
+            "salt": self.salt,
+            "cache_boundaries": self.cache_boundaries,
+        }
 
     def pack(self) -> bytes:
         return msgpack.packb(self.to_wire())

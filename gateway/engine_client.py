@@ -6,7 +6,6 @@ request (the sidecar's contract).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -14,16 +13,9 @@ import anyio
 import httpx
 import msgpack
 
-from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+from engine.protocol import GenerateRequest, OutputFrame
 
 MSGPACK = "application/x-msgpack"
-_WIRE_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (GenerateRequest, SamplingParams)}
-
-
-def pack_request(request: GenerateRequest) -> bytes:
-    """The bytes of ``request.pack()`` without its deep copy: ``dataclasses.asdict`` visits every prompt
-    token (about 13 ms for 8K tokens, against 0.2 ms here)."""
-    return msgpack.packb(request, default=lambda obj: {name: getattr(obj, name) for name in _WIRE_FIELDS[type(obj)]})
 
 
 class EngineUnavailable(Exception):
@@ -81,7 +73,7 @@ class EngineClient:
 
     async def open(self, request: GenerateRequest) -> EngineStream:
         """Send the request and wait for the response head; raises EngineUnavailable or EngineRejected."""
-        req = httpx.Request("POST", self._generate_url, content=pack_request(request), headers=self._headers,
+        req = httpx.Request("POST", self._generate_url, content=request.pack(), headers=self._headers,
                             extensions={"timeout": self._stream_timeout})
         try:
             response = await self._transport.handle_async_request(req)

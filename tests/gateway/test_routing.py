@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from engine.protocol import GenerateRequest, OutputFrame, SamplingParams, TokenLogprob
-from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable, pack_request
+from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable
 from gateway.pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -137,12 +137,6 @@ async def test_engine_client_streams_frames_split_anywhere():
         await stream.aclose()
     assert got == frames
     assert seen["type"] == "application/x-msgpack" and seen["body"] == request.to_wire()
-
-
-def test_pack_request_is_the_protocol_encoding():
-    request = GenerateRequest("r", list(range(300)), SamplingParams(max_tokens=3, n=2, seed=9, logit_bias={5: -1.5},
-                                                                     stop_token_ids=[7], logprobs=2), "salt", [16, 32])
-    assert pack_request(request) == request.pack()
 
 
 @pytest.mark.parametrize("status, error", [(400, EngineRejected), (503, EngineUnavailable), (500, EngineUnavailable)])
