@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.config import DUMMY_CONFIGS, KERNEL_BACKENDS, EngineConfig
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -27,10 +27,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="context length limit (default: the model's)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="size of the KV block pool (default: from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0,
-                   help="GiB of KV cache when --num-kv-blocks is not given (default: 1.0)")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB of KV cache when --num-kv-blocks is not given (default: 1.0 on the CPU; on "
+                        "CUDA what --gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory this engine may use: weights, the largest step's "
+                        "activations (measured by a profiling run) and the KV cache fill it (default: 0.9)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode steps eagerly (default: graphs on CUDA)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--kernel-backend", default="torch", help="kernel op set: torch (default)")
+    g.add_argument("--max-partial-entries-fraction", type=float, default=0.25,
+                   help="at most this fraction of the KV pool holds exact-position prefix entries (copies "
+                        "of partially filled pages at the cache boundaries a request names, and of the "
+                        "last page of a finished sequence); 0 turns them off (default: 0.25)")
+    g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                   help="kernel op set: triton kernels or the torch reference ops; auto = triton on "
+                        "CUDA, torch on the CPU (default: auto)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling (default: 0)")
     g.add_argument("--index-url", default=None,
                    help="publish KV cache events to this prefix index (redis://host:6379/0); default: none")
@@ -57,7 +69,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_partial_entries_fraction=args.max_partial_entries_fraction,
         kernel_backend=args.kernel_backend,
         seed=args.seed,
         index_url=args.index_url,

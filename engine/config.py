@@ -49,7 +49,8 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            # transformers 5 nests it under rope_parameters; older configs keep it at the top
+            rope_theta=(hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
@@ -57,6 +58,27 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    def to_hf(self) -> dict:
+        """Hugging Face ``LlamaConfig`` keyword arguments of this shape (transformers 5 layout)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
 
 
 # Named shapes for --load-format dummy (random weights of real shapes, for benchmarks and tests).
@@ -103,6 +125,9 @@ def dummy_config(spec: str) -> ModelConfig:
     return ModelConfig(**data)
 
 
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything an engine process is started with (CLI flags map 1:1 onto these fields)."""
@@ -116,9 +141,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # None: 1 GiB on the CPU; on CUDA what gpu_memory_utilization leaves after a profiling run.
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no CUDA graphs
     enable_prefix_caching: bool = True
-    kernel_backend: str = "torch"
+    # Cap on exact-position prefix entries (cached partial pages), as a fraction of the KV pool.
+    max_partial_entries_fraction: float = 0.25
+    kernel_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
     seed: int = 0
     index_url: str | None = None  # prefix index to publish KV events to (memory:// or redis://)
     replica_id: str = "engine-0"
@@ -130,11 +160,25 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.max_partial_entries_fraction <= 1:
+            raise ValueError(
+                f"max_partial_entries_fraction must be in [0, 1], got {self.max_partial_entries_fraction}"
+            )
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def resolved_kernel_backend(self) -> str:
+        if self.kernel_backend == "auto":
+            return "torch" if self.device == "cpu" else "triton"
+        return self.kernel_backend

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -20,6 +22,8 @@ log = structlog.get_logger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_SALT = "kvgate-warmup"
+_WARMUP_DECODES = 4
+CPU_KV_CACHE_GB = 1.0
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -47,14 +51,17 @@ class EngineCore:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
-        num_blocks = config.num_kv_blocks or int(
-            config.kv_cache_memory_gb * 2**30 // kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        self.runner = ModelRunner(
+            model, model_config, self.device, self.dtype, config.block_size, config.max_num_seqs,
+            self.max_model_len,
         )
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None
+            num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
+            max_partial_entries=int(num_blocks * config.max_partial_entries_fraction),
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, model_config, self.device, self.dtype, num_blocks, config.block_size)
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
@@ -76,9 +83,37 @@ class EngineCore:
         torch.manual_seed(config.seed)
         model, model_config = load_model(
             config.model, config.load_format, torch.device(config.device), resolve_dtype(config),
-            load_ops(config.kernel_backend),
+            load_ops(config.resolved_kernel_backend),
         )
         return cls(config, model, model_config)
+
+    def _num_kv_blocks(self) -> int:
+        """--num-kv-blocks, else --kv-cache-memory, else on CUDA what --gpu-memory-utilization
+        leaves after a profiling run of the largest step, else (CPU) 1 GiB."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
+            return int((config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30 // per_block)
+        profile = self.runner.profile_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
+        gib = 2**30
+        log.info(
+            "memory_profiled",
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            total_gib=round(profile.total / gib, 2),
+            in_use_gib=round(profile.in_use / gib, 2),
+            peak_activation_gib=round(profile.peak_activation / gib, 3),
+            kv_budget_gib=round(profile.kv_budget / gib, 2),
+        )
+        num_blocks = profile.kv_budget // per_block
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
+                f"{max(profile.kv_budget, 0) / gib:.2f} GiB for the KV cache, less than one "
+                f"{self.max_model_len}-token sequence needs; raise it or lower max_model_len"
+            )
+        return num_blocks
 
     # --- requests ------------------------------------------------------------------------
     def check_admissible(self, request: GenerateRequest) -> None:
@@ -140,11 +175,18 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
         sampled = self.runner.execute(sched.scheduled)
         frames = self._postprocess(sched.scheduled, sampled)
+        self._copy_blocks()  # new entries, while their source pages still hold this step's KV
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
         return frames
+
+    def _copy_blocks(self) -> None:
+        copies = self.kv.take_block_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
 
     def _postprocess(self, scheduled, sampled: list[SampledToken]) -> list[OutputFrame]:
         for seq, num_new in scheduled:
@@ -233,20 +275,71 @@ class EngineCore:
             "num_total_blocks": kv.num_blocks,
             "kv_usage": round(kv.usage, 4),
             "prefix_hit_rate": round(kv.prefix_hit_rate, 4),
+            "cache_alignment": 1,  # cache boundaries may fall on any token: no rounding needed
+            "num_partial_entries": len(kv.partial),
             "num_preemptions": self.scheduler.num_preemptions,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "max_num_seqs": self.config.max_num_seqs,
         }
 
     def warmup(self) -> None:
-        """Run a chunked prefill and a few decodes so the first real request pays no first-call cost."""
-        prompt_len = min(self.config.max_num_batched_tokens, self.max_model_len - 4, 64)
-        request = GenerateRequest(
-            request_id="kvgate-warmup",
-            prompt_ids=[i % self.model_config.vocab_size for i in range(prompt_len)],
-            sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-            salt=WARMUP_SALT,
+        """Pay every first-call cost before the first request: capture the decode CUDA graphs,
+        then run through the whole engine a prefill of each power-of-two length up to a full
+        chunk (one short prefill on the CPU, which compiles nothing), and decode steps that admit
+        a prefill (mixed batches) at a short and a long context with a sampled request (penalties,
+        top-k/p, logprobs), so that every kernel variant is compiled and loaded."""
+        start = time.perf_counter()
+        graph_bytes = 0
+        buckets: list[int] = []
+        if self._use_cuda_graphs():
+            graph_bytes = self.runner.capture_decode_graphs()
+            buckets = self.runner.decode_graphs.buckets
+        cuda = self.device.type == "cuda"
+        # Two warmup sequences run at once; each may take half of the pool.
+        limit = max(1, min(self.max_model_len, self.kv.num_blocks * self.kv.block_size // 2) - _WARMUP_DECODES)
+        chunk = min(self.config.max_num_batched_tokens, limit) if cuda else min(limit, 64)
+        prompts = itertools.count()
+        for length in [2**k for k in range(4, chunk.bit_length()) if cuda and 2**k < chunk] + [chunk]:
+            self._warmup_run(prompts, [length])
+        self._warmup_run(prompts, [min(8, limit), min(8, limit)])  # one block: a single split
+        self._warmup_run(prompts, [min(300, limit), min(200, limit)])  # split-K decode
+        self.counters = EngineCounters()
+        log.info(
+            "warmup_done",
+            seconds=round(time.perf_counter() - start, 2),
+            cuda_graph_buckets=buckets,
+            cuda_graph_memory_mib=round(graph_bytes / 2**20, 1),
         )
-        self.add_request(request)
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.config.resolved_kernel_backend != "triton":
+            # The torch reference ops synchronize with the host, which a capture forbids.
+            log.warning("cuda_graphs_disabled", reason="kernel_backend torch")
+            return False
+        return True
+
+    def _warmup_run(self, prompts: Iterator[int], lengths: list[int]) -> None:
+        """Run warmup requests of the given prompt lengths to completion; each request after the
+        first is added once the one before it decodes, so its prefill shares a decode step."""
+        vocab = self.model_config.vocab_size
+        for i, length in enumerate(lengths):
+            first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
+            sampled = i > 0
+            request = GenerateRequest(
+                request_id=f"kvgate-warmup-{first}",
+                prompt_ids=[(first + j) % vocab for j in range(length)],
+                sampling=SamplingParams(
+                    max_tokens=_WARMUP_DECODES, temperature=0.8 if sampled else 0.0, top_p=0.9, top_k=40,
+                    min_p=0.01, presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
+                    seed=0 if sampled else None, logprobs=2 if sampled else None, ignore_eos=True,
+                ),
+                salt=WARMUP_SALT,
+            )
+            self.add_request(request)
+            seq = self.requests[request.request_id][0]
+            while not seq.output_ids:
+                self.step()
         while self.has_work():
             self.step()

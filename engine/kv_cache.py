@@ -1,9 +1,34 @@
-"""Paged KV block pool with prefix caching.
+"""Paged KV block pool with prefix caching and exact-position entries.
 
-Every block is in exactly one state: *used* (ref count > 0), *cached* (ref count 0, holds a hash:
-reusable until evicted) or *free* (ref count 0, no hash). Cached and free blocks sit together in
-one LRU queue; allocation takes from its head and evicts the hash of a cached block it takes.
-A finished sequence returns its blocks tail first, so a prefix outlives its suffixes.
+Every block is in exactly one state: *used* (ref count > 0), *cached* (ref count 0, holds the hash
+of a full block: reusable until evicted), *partial* (ref count 0, an exact-position entry: a
+cache-owned copy of a partially filled page) or *free* (ref count 0, holds nothing). Cached, partial
+and free blocks sit together in one LRU queue; allocation takes from its head and drops what the
+block held. A finished sequence returns its blocks tail first, so a prefix outlives its suffixes.
+
+Exact-position entries. Full blocks are cached under their chained hashes, so a prefix that ends
+inside a page (where a chat's system prompt or last message ends) would be recomputed from the page
+start: up to a whole block per turn. An entry keeps such a page under a key — the hash of the full
+block before it, or the salt for the first page, so salts never share — and its *tail*, the tokens
+of the page it holds KV for. A sequence whose tokens after its cached full blocks share a prefix
+with a tail resumes right after the shared tokens, on a private copy of the entry's page (copy on
+write). Entries come from two places:
+
+- the ``cache_boundaries`` of a request: once a step has computed past one that falls inside a
+  page, the page is copied into a block of the entry (taken from the free queue, never from a
+  sequence; none left: no entry);
+- a sequence that ends (finished, aborted or preempted) hands its last, partially filled page over
+  to an entry without a copy, so a client that sends the answer back resumes where it ended.
+
+Entries go into the free queue ahead of the blocks of the sequence they come from, so an entry is
+evicted before the blocks it extends; a hit moves its entry to the queue's recent end. Their number
+is capped (the least recently used entry makes room); a released entry's block is the next to be
+allocated. Under one key no tail is a prefix of another (the longer serves everything the shorter
+would). Entries are engine-local: KV events, :meth:`snapshot` and the prefix index cover full blocks
+only.
+
+The manager only plans page copies; the engine runs them (:meth:`take_block_copies`) in order,
+before the next forward reads or writes the pool.
 """
 
 from __future__ import annotations
@@ -14,46 +39,94 @@ from typing import NamedTuple
 
 from engine.request import Sequence
 from prefix_index.events import BlockRemoved, BlockStored, KVEvent
-from prefix_index.hashing import BlockHash
+from prefix_index.hashing import BlockHash, hash_block
 
 
 class BlockCounts(NamedTuple):
     free: int
     cached: int
     used: int
+    partial: int
+
+
+class PartialEntry(NamedTuple):
+    """A cache-owned page holding the KV of ``tail``, the first tokens of the page after the full
+    block hashed into ``key`` (see :func:`partial_key`)."""
+
+    key: BlockHash
+    tail: tuple[int, ...]  # 1 … block_size - 1 tokens
+    block_id: int
+
+
+class PrefixMatch(NamedTuple):
+    """What :meth:`KVCacheManager.match_prefix` found: cached full blocks, then possibly an entry
+    whose page serves the next ``num_tokens - len(blocks) * block_size`` tokens."""
+
+    blocks: list[int]
+    entry: PartialEntry | None
+    num_tokens: int  # prompt tokens served from cache
 
 
 class IntegrityError(AssertionError):
     pass
 
 
+def partial_key(parent: BlockHash | None, salt: str | None) -> BlockHash:
+    """Key of the entries that continue the full block hashed ``parent`` (None: the first page of a
+    sequence, which takes the salt, as the first block's hash does)."""
+    return hash_block(parent, (), salt, extra_keys=("partial",))
+
+
+def _common_prefix_len(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVCacheManager:
     """Owns block ids, never the KV tensors. Not thread-safe: the engine loop alone calls it."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        max_partial_entries: int | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        if max_partial_entries is None:
+            max_partial_entries = num_blocks // 4
+        if not 0 <= max_partial_entries <= num_blocks:
+            raise ValueError(f"max_partial_entries must be in [0, {num_blocks}], got {max_partial_entries}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.record_events = record_events  # only when a publisher drains them
+        self.max_partial_entries = max_partial_entries if enable_prefix_caching else 0
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.parent_of: dict[BlockHash, BlockHash | None] = {}  # of every cached hash (index resyncs)
+        self.partial: OrderedDict[int, PartialEntry] = OrderedDict()  # block id -> entry, LRU first
+        self._partial_by_key: dict[BlockHash, dict[tuple[int, ...], int]] = {}  # key -> tail -> block
+        self._copies: list[tuple[int, int]] = []  # (src, dst) pages, in the order planned
         self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
         self._registered: dict[tuple[str, int], int] = {}  # sequence key -> blocks hashed so far
+        self._boundaries_seen: dict[tuple[str, int], int] = {}  # sequence key -> boundaries handled
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from cache
 
     # --- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take (free plus evictable cached)."""
+        """Blocks an allocation may take (free plus evictable cached and partial)."""
         return len(self.free_queue)
 
     @property
@@ -67,13 +140,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of ``seq``; leaves at least one token to compute.
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached full blocks holding the longest prefix of ``seq``, then the entry sharing the
+        most of the following tokens; leaves at least one token to compute.
 
         Pure query: takes no reference (pass the result to :meth:`allocate`).
         """
         if not self.enable_prefix_caching:
-            return []
+            return PrefixMatch([], None, 0)
         hashes = seq.update_block_hashes(self.block_size)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
@@ -82,34 +156,60 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit.append(block_id)
-        return hit
+        num_tokens = len(hit) * self.block_size
+        tails = self._partial_by_key.get(self._partial_key(seq, len(hit)))
+        if not tails:
+            return PrefixMatch(hit, None, num_tokens)
+        rest = seq.all_token_ids[num_tokens : min(num_tokens + self.block_size, seq.num_tokens) - 1]
+        best, num_shared = None, 0
+        for tail, block_id in tails.items():
+            n = _common_prefix_len(tail, rest)
+            if n > num_shared:
+                best, num_shared = block_id, n
+        if best is None:
+            return PrefixMatch(hit, None, num_tokens)
+        return PrefixMatch(hit, self.partial[best], num_tokens + num_shared)
 
     # --- commands ------------------------------------------------------------------------
-    def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
-    ) -> list[int] | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> list[int] | None:
         """Give ``seq`` the blocks to hold ``num_new_tokens`` more tokens, or None if the pool can't.
 
-        ``cached_blocks`` (from :meth:`match_prefix`, only for a sequence with no blocks yet) are
-        taken first and count as computed. On None nothing has changed.
+        ``prefix`` (from :meth:`match_prefix`, only for a sequence with no blocks yet): its full
+        blocks are taken first and, with its entry's shared tokens, count as computed. The entry's
+        page is copied into the first new block (a planned copy, see :meth:`take_block_copies`);
+        when that block would have to be the entry's own, the sequence takes the entry's block over
+        instead. Returns the new blocks. On None nothing has changed.
         """
-        cached_blocks = cached_blocks or []
-        if cached_blocks and seq.block_ids:
-            raise ValueError("cached_blocks only apply to a sequence that holds no blocks")
-        num_computed = len(cached_blocks) * self.block_size if cached_blocks else seq.num_computed_tokens
+        if prefix is not None and seq.block_ids:
+            raise ValueError("a prefix only applies to a sequence that holds no blocks")
+        cached_blocks = prefix.blocks if prefix is not None else []
+        num_computed = prefix.num_tokens if prefix is not None else seq.num_computed_tokens
         num_required = self.blocks_needed(num_computed + num_new_tokens)
-        num_new_blocks = num_required - len(seq.block_ids) - len(cached_blocks)
-        num_revived = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
-        if num_new_blocks > len(self.free_queue) - num_revived:
+        num_new_blocks = max(num_required - len(seq.block_ids) - len(cached_blocks), 0)
+        available = len(self.free_queue) - sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        if num_new_blocks > available:
             return None
         for block_id in cached_blocks:
             if self.ref_cnt[block_id] == 0:
                 del self.free_queue[block_id]
             self.ref_cnt[block_id] += 1
-        new_blocks = [self._take_free_block() for _ in range(max(num_new_blocks, 0))]
+        new_blocks: list[int] = []
+        entry = prefix.entry if prefix is not None else None
+        if entry is not None:
+            if num_new_blocks < available:  # the entry stays: now the most recently used block
+                self._touch_entry(entry.block_id)
+                page = self._take_free_block()
+                self._copies.append((entry.block_id, page))
+            else:
+                self._drop_entry(entry)
+                del self.free_queue[entry.block_id]
+                self.ref_cnt[entry.block_id] = 1
+                page = entry.block_id
+            new_blocks.append(page)
+        new_blocks.extend(self._take_free_block() for _ in range(num_new_blocks - len(new_blocks)))
         seq.block_ids.extend(cached_blocks)
         seq.block_ids.extend(new_blocks)
-        if cached_blocks:
+        if prefix is not None:
             seq.num_computed_tokens = num_computed
             self._registered[seq.key] = len(cached_blocks)
         return new_blocks
@@ -120,33 +220,56 @@ class KVCacheManager:
         self.prefix_hits += num_cached_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish every block of ``seq`` whose KV is now fully computed (prompt or output)."""
+        """Publish every block of ``seq`` whose KV is now fully computed (prompt or output), and
+        plan an entry for every cache boundary now computed that falls inside a page.
+
+        Call right after a step; run the planned copies (:meth:`take_block_copies`) before anything
+        else allocates or frees blocks, as their source pages belong to ``seq``.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = self._registered.get(seq.key, 0)
-        if num_full <= start:
-            return
-        hashes = seq.update_block_hashes(self.block_size)
-        for i in range(start, num_full):
-            block_id, block_hash = seq.block_ids[i], hashes[i]
-            if self.block_hash[block_id] is None and block_hash not in self.cached:
-                self.block_hash[block_id] = block_hash
-                self.cached[block_hash] = block_id
-                self.parent_of[block_hash] = hashes[i - 1] if i else None
-        if self.record_events:
-            self._flush_removed()  # keep events in the order they happened
-            self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
-        self._registered[seq.key] = num_full
+        if num_full > start:
+            hashes = seq.update_block_hashes(self.block_size)
+            for i in range(start, num_full):
+                block_id, block_hash = seq.block_ids[i], hashes[i]
+                if self.block_hash[block_id] is None and block_hash not in self.cached:
+                    self.block_hash[block_id] = block_hash
+                    self.cached[block_hash] = block_id
+                    self.parent_of[block_hash] = hashes[i - 1] if i else None
+            if self.record_events:
+                self._flush_removed()  # keep events in the order they happened
+                self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
+            self._registered[seq.key] = num_full
+        self._cache_boundaries(seq)
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, tail first (its last blocks are evicted before its prefix)."""
+        """Drop ``seq``'s references, tail first (its last blocks are evicted before its prefix).
+
+        A last page that is partially computed becomes an entry (evicted before the rest).
+        """
+        kept = self._keep_last_page(seq)
         for block_id in reversed(seq.block_ids):
+            if block_id == kept:
+                continue
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
         seq.block_ids = []
         self._registered.pop(seq.key, None)
+        self._boundaries_seen.pop(seq.key, None)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) page copies planned since the last call, in order; empties the plan.
+
+        Take them after admission (copies for prefix hits: entry -> new page) and after each step
+        (new entries: a sequence's page -> a block of the free queue). Within either batch no dst
+        is the src of a later pair, so one gather of every src then one scatter to every dst is the
+        same as copying pair by pair.
+        """
+        copies, self._copies = self._copies, []
+        return copies
 
     def drain_events(self) -> list[KVEvent]:
         """KV events since the last call, in order (for the prefix index publisher)."""
@@ -168,6 +291,9 @@ class KVCacheManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
+        entry = self.partial.get(block_id)
+        if entry is not None:
+            self._drop_entry(entry)
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self.cached[block_hash]
@@ -178,9 +304,102 @@ class KVCacheManager:
         self.ref_cnt[block_id] = 1
         return block_id
 
+    # --- exact-position entries --------------------------------------------------------------
+    def _partial_key(self, seq: Sequence, page: int) -> BlockHash:
+        hashes = seq.update_block_hashes(self.block_size)
+        return partial_key(hashes[page - 1] if page else None, seq.salt)
+
+    def _cache_boundaries(self, seq: Sequence) -> None:
+        bounds = seq.cache_boundaries
+        seen = self._boundaries_seen.get(seq.key, 0)
+        while seen < len(bounds) and bounds[seen] <= seq.num_computed_tokens:
+            end = bounds[seen]
+            seen += 1
+            if end % self.block_size == 0 or not self.max_partial_entries:
+                continue  # a full block: the cached blocks already end there
+            found = self._new_tail(seq, end)
+            if found is None:
+                continue
+            self._release_extended(*found)
+            block_id = self._entry_block()
+            if block_id is None:
+                continue  # every block is in use: no entry
+            self._copies.append((seq.block_ids[end // self.block_size], block_id))
+            self._add_entry(PartialEntry(*found, block_id))
+        self._boundaries_seen[seq.key] = seen
+
+    def _keep_last_page(self, seq: Sequence) -> int | None:
+        """Hand ``seq``'s partially computed last page over to a new entry; returns its block."""
+        end = seq.num_computed_tokens
+        if not self.max_partial_entries or end % self.block_size == 0:
+            return None
+        found = self._new_tail(seq, end)
+        if found is None:
+            return None
+        self._release_extended(*found)
+        if len(self.partial) >= self.max_partial_entries:
+            self._release_entry(next(iter(self.partial.values())))
+        block_id = seq.block_ids[end // self.block_size]
+        self._add_entry(PartialEntry(*found, block_id))
+        return block_id
+
+    def _new_tail(self, seq: Sequence, end: int) -> tuple[BlockHash, tuple[int, ...]] | None:
+        """Key and tail of an entry ending at token ``end`` of ``seq``, or None (touching it) if
+        an entry whose tail starts with that tail exists."""
+        page = end // self.block_size
+        key = self._partial_key(seq, page)
+        tail = tuple(seq.all_token_ids[page * self.block_size : end])
+        for other, block_id in self._partial_by_key.get(key, {}).items():
+            if other[: len(tail)] == tail:
+                self._touch_entry(block_id)
+                return None
+        return key, tail
+
+    def _entry_block(self) -> int | None:
+        """A block for a new entry: the least recently used entry's at the cap, else the free
+        queue's head; None when every block is in use."""
+        if len(self.partial) >= self.max_partial_entries:
+            entry = next(iter(self.partial.values()))
+            self._drop_entry(entry)
+            return entry.block_id
+        if not self.free_queue:
+            return None
+        return self._take_free_block()
+
+    def _release_extended(self, key: BlockHash, tail: tuple[int, ...]) -> None:
+        """Release the entries under ``key`` whose tails ``tail`` extends: it serves all they would."""
+        tails = self._partial_by_key.get(key, {})
+        for block_id in [b for t, b in tails.items() if tail[: len(t)] == t]:
+            self._release_entry(self.partial[block_id])
+
+    def _add_entry(self, entry: PartialEntry) -> None:
+        """Register ``entry`` as the most recently used block of the free queue."""
+        self._partial_by_key.setdefault(entry.key, {})[entry.tail] = entry.block_id
+        self.partial[entry.block_id] = entry
+        self.ref_cnt[entry.block_id] = 0
+        self.free_queue[entry.block_id] = None
+        self.free_queue.move_to_end(entry.block_id)
+
+    def _touch_entry(self, block_id: int) -> None:
+        self.partial.move_to_end(block_id)
+        self.free_queue.move_to_end(block_id)
+
+    def _drop_entry(self, entry: PartialEntry) -> None:
+        del self.partial[entry.block_id]
+        tails = self._partial_by_key[entry.key]
+        del tails[entry.tail]
+        if not tails:
+            del self._partial_by_key[entry.key]
+
+    def _release_entry(self, entry: PartialEntry) -> None:
+        """Forget ``entry``; its block, now holding nothing, is the next one allocated."""
+        self._drop_entry(entry)
+        self.free_queue.move_to_end(entry.block_id, last=False)
+
     # --- proof ---------------------------------------------------------------------------
     def check_integrity(self, live: Iterable[Sequence]) -> BlockCounts:
-        """Prove free + cached + used == pool and that ref counts match the live sequences."""
+        """Prove free + cached + used + partial == pool, that ref counts match the live sequences
+        and that the entry maps agree."""
         expected = [0] * self.num_blocks
         for seq in live:
             for block_id in seq.block_ids:
@@ -196,7 +415,20 @@ class KVCacheManager:
                 raise IntegrityError(f"cached entry for block {block_id} has a stale hash")
         if sum(h is not None for h in self.block_hash) != len(self.cached):
             raise IntegrityError("a block holds a hash that the cache map lacks")
+        indexed = {(key, tail, b) for key, tails in self._partial_by_key.items() for tail, b in tails.items()}
+        if indexed != set(self.partial.values()) or any(b != e.block_id for b, e in self.partial.items()):
+            raise IntegrityError("the entry index differs from the entry list")
+        for entry in self.partial.values():
+            if entry.block_id not in unreferenced or self.block_hash[entry.block_id] is not None:
+                raise IntegrityError(f"entry block {entry.block_id} is referenced or hashed")
+            if not 0 < len(entry.tail) < self.block_size:
+                raise IntegrityError(f"entry block {entry.block_id} has a tail of {len(entry.tail)} tokens")
+        if len(self.partial) > self.max_partial_entries:
+            raise IntegrityError(f"{len(self.partial)} entries exceed the cap of {self.max_partial_entries}")
         cached = sum(1 for i in unreferenced if self.block_hash[i] is not None)
-        counts = BlockCounts(len(unreferenced) - cached, cached, self.num_blocks - len(unreferenced))
+        partial = len(self.partial)
+        counts = BlockCounts(
+            len(unreferenced) - cached - partial, cached, self.num_blocks - len(unreferenced), partial
+        )
         assert sum(counts) == self.num_blocks
         return counts

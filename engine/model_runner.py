@@ -1,14 +1,17 @@
-"""Scheduled sequences → tensors → model → sampler. Owns the KV tensors."""
+"""Scheduled sequences → tensors → model → sampler. Owns the KV tensors and the decode CUDA graphs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.protocol import TokenLogprob
+from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.protocol import SamplingParams, TokenLogprob
 from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
@@ -20,35 +23,155 @@ class SampledToken(NamedTuple):
     logprob: TokenLogprob | None
 
 
+class MemoryProfile(NamedTuple):
+    """What a profiling run found on the device, in bytes."""
+
+    total: int
+    in_use: int  # after the profiling run: weights, CUDA context, other processes
+    peak_activation: int  # the largest step's transient tensors
+    kv_budget: int  # what gpu_memory_utilization leaves for the KV cache
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class ModelRunner:
+    """Not thread-safe: the engine loop alone calls it. ``allocate_kv_cache`` comes before
+    ``execute``; ``capture_decode_graphs`` (CUDA only) after it, before serving."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         config: ModelConfig,
         device: torch.device,
         dtype: torch.dtype,
-        num_blocks: int,
         block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
     ):
         self.model = model
         self.config = config
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
+        self.max_num_seqs = max_num_seqs
+        # Graph replays use block tables of this full width, so one graph serves any context length.
+        self.max_blocks_per_seq = _ceil_div(max_model_len, block_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(config.eos_token_ids)
+        self.decode_graphs: DecodeGraphs | None = None
 
+    def _new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+            for _ in range(self.config.num_layers)
+        ]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._new_kv_caches(num_blocks)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV pages ``src -> dst`` in every layer, queued on the device (no sync): all
+        sources are gathered before any destination is written."""
+        src, dst = torch.tensor(list(zip(*pairs)), dtype=torch.int64).to(self.device, non_blocking=True)
+        for cache in self.kv_caches:
+            for layer in cache:
+                layer.index_copy_(0, dst, layer.index_select(0, src))
+
+    # --- memory profiling (CUDA) ---------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_memory(self, num_tokens: int, gpu_memory_utilization: float) -> MemoryProfile:
+        """Run the largest step this engine will ever run — ``num_tokens`` prompt tokens, then
+        logits and random sampling with logprobs for ``max_num_seqs`` rows — on a scratch KV
+        cache, and return how much of ``gpu_memory_utilization`` of the device is left for KV."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+
+        max_len = self.max_blocks_per_seq * self.block_size
+        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        kv_caches = self._new_kv_caches(sum(_ceil_div(n, self.block_size) for n in lens))
+        tables = np.zeros((len(lens), max(_ceil_div(n, self.block_size) for n in lens)), dtype=np.int32)
+        slots, positions, first = [], [], 0
+        for i, n in enumerate(lens):
+            blocks = list(range(first, first + _ceil_div(n, self.block_size)))
+            tables[i, : len(blocks)] = blocks
+            first += len(blocks)
+            positions.extend(range(n))
+            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
+        starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        dev = self.device
+        attn = AttentionMetadata(
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            seq_lens_cpu=lens,
+            query_start_loc_cpu=starts,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        input_ids = torch.randint(self.config.vocab_size, (num_tokens,), device=dev)
+        hidden = self.model(input_ids, torch.tensor(positions, device=dev), attn, kv_caches)
+        rows = min(self.max_num_seqs, num_tokens)
+        sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5, frequency_penalty=0.1)
+        seqs = [SimpleNamespace(sampling=sampling, prompt_ids=[0], output_ids=[1], generator=None)] * rows
+        self.sampler(self.model.compute_logits(hidden[-rows:]), seqs)
+        torch.cuda.synchronize(self.device)
+        peak_activation = torch.cuda.max_memory_allocated(self.device) - before
+
+        del kv_caches, hidden, attn
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free
+        kv_budget = int(total * gpu_memory_utilization) - in_use - peak_activation
+        return MemoryProfile(total, in_use, peak_activation, kv_budget)
+
+    # --- CUDA graphs -----------------------------------------------------------------------------
+    def capture_decode_graphs(self) -> int:
+        """Capture the decode-only step at every batch bucket up to ``max_num_seqs`` (KV cache
+        allocated first); returns the bytes the graphs and their static buffers hold."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.device, self.block_size, self.max_blocks_per_seq,
+            decode_buckets(self.max_num_seqs), capture=True,
+        )
+        with torch.inference_mode():
+            return self.decode_graphs.capture()
+
+    # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         """Run one step; sample for every sequence whose known tokens are now all computed."""
+        graphs = self.decode_graphs
+        if graphs is not None and len(scheduled) <= graphs.max_batch_size and all(n == 1 for _, n in scheduled):
+            hidden = graphs.run([seq for seq, _ in scheduled])
+            sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            sampling_seqs = [scheduled[i].seq for i in sample_rows]
+        else:
+            hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)
+        if not sample_rows:
+            return []
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        out = self.sampler(self.model.compute_logits(hidden), sampling_seqs)
+        return [
+            SampledToken(seq, tok, lp)
+            for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
+        ]
+
+    def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
+        """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
+        the rows to sample (the last token of each sequence that is now fully computed) and
+        their sequences."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -57,7 +180,6 @@ class ModelRunner:
         query_start = [0]
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
-        max_blocks = 0
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
@@ -67,17 +189,16 @@ class ModelRunner:
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + num_new)
-            max_blocks = max(max_blocks, len(block_ids))
             if end == seq.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
 
-        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        block_tables = np.zeros((len(scheduled), max(len(seq.block_ids) for seq, _ in scheduled)), dtype=np.int32)
         for i, (seq, _) in enumerate(scheduled):
-            block_tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
+            block_tables[i, : len(seq.block_ids)] = seq.block_ids
         dev = self.device
         attn = AttentionMetadata(
-            block_tables=block_tables.to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -92,11 +213,4 @@ class ModelRunner:
             attn,
             self.kv_caches,
         )
-        if not sampling_seqs:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        out = self.sampler(logits, sampling_seqs)
-        return [
-            SampledToken(seq, tok, lp)
-            for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
-        ]
+        return hidden, sample_rows, sampling_seqs

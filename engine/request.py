@@ -47,7 +47,7 @@ class Sequence:
         self.all_token_ids = list(prompt_ids)
         self.sampling = sampling
         self.salt = salt
-        self.cache_boundaries = cache_boundaries
+        self.cache_boundaries = sorted(cache_boundaries)  # the KV manager handles them in order
         self.generator = generator
         self.status = Status.WAITING
         self.num_computed_tokens = 0

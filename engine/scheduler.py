@@ -2,8 +2,9 @@
 
 Each step the running sequences go first, in arrival order (a decode costs one token, an
 unfinished prefill takes what is left of the budget), then waiting sequences are admitted while
-budget, sequence slots and blocks last. When the pool runs dry the latest running sequence is
-preempted by recompute; the oldest always progresses, so there is no deadlock.
+budget, sequence slots and blocks last, each starting after its longest cached prefix (full blocks,
+then an exact-position entry). When the pool runs dry the latest running sequence is preempted by
+recompute; the oldest always progresses, so there is no deadlock.
 """
 
 from __future__ import annotations
@@ -71,14 +72,13 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached_blocks = self.kv.match_prefix(seq)
-            num_cached = len(cached_blocks) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if self.kv.allocate(seq, num_new, cached_blocks) is None:
+            prefix = self.kv.match_prefix(seq)
+            num_new = min(seq.num_tokens - prefix.num_tokens, budget)
+            if self.kv.allocate(seq, num_new, prefix) is None:
                 break
             self.waiting.popleft()
             if not seq.output_ids:  # first admission, not a resumption after preemption
-                self.kv.record_prefix_lookup(seq, num_cached)
+                self.kv.record_prefix_lookup(seq, prefix.num_tokens)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))

@@ -105,3 +105,18 @@ def test_oldest_sequence_always_progresses():
             break
     assert finished == ["a", "b", "c"]
     assert kv.check_integrity([]).used == 0
+
+
+def test_admission_resumes_after_an_exact_position_entry():
+    kv = KVCacheManager(64, BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=100)
+    a = Sequence("a", 0, list(range(100, 110)), SamplingParams(), None, [6], None)
+    sched.add(a)
+    advance(sched, sched.schedule())
+    sched.finish(a, "stop")
+    # shares a's first 6 tokens: a full block, then 2 tokens of the entry at a's boundary
+    b = Sequence("b", 0, list(range(100, 106)) + [7, 8, 9], SamplingParams(), None, [], None)
+    sched.add(b)
+    assert plan(sched.schedule()) == [("b", 3)]
+    assert b.num_computed_tokens == b.num_cached_tokens == 6
+    kv.check_integrity([b])

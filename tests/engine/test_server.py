@@ -85,9 +85,10 @@ def test_generate_streams_frames_with_counts(engine_url):
     assert frames[-1].finish_reason == "length"
     assert all(f.num_prompt_tokens == 40 for f in frames)
     assert all(len(lp.top) == 2 for f in frames for lp in f.logprobs)
-    # the same prompt again hits the prefix cache: (40 - 1) // 16 * 16 tokens
+    # the same prompt again hits the prefix cache: 2 full blocks, then r1's last page (an
+    # exact-position entry from token 32 on) up to the one prompt token left to compute
     again = frames_of(post(engine_url, GenerateRequest("r2", req.prompt_ids, req.sampling).pack()))
-    assert again[-1].num_cached_tokens == 32
+    assert again[-1].num_cached_tokens == 39
     assert [t for f in again for t in f.token_ids] == [t for f in frames for t in f.token_ids]
     stats = httpx.get(f"{engine_url}/stats").json()
     assert stats["block_size"] == 16 and stats["model"] == "tiny" and stats["prefix_hit_rate"] > 0

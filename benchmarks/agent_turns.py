@@ -1,0 +1,177 @@
+"""Agent conversations: how much of the reusable prefix each turn hits, with and without
+exact-position prefix entries, in the same run.
+
+Each conversation has eight turns over a shared ~2.6K-token system prompt, with ~1.3K new tokens
+per turn (the previous answer, then a long user or tool message). Prompts are SmolLM2's ChatML
+rendered in token space ("<|im_start|>" = 1, "<|im_end|>" = 2, role tokens, "\\n" = 198) with the
+cache boundaries a gateway sends: the end of the system message and the end of the last message.
+Conversation c starts in round c, so later ones meet the system prompt in cache. In thinking mode
+the first ``--reasoning-tokens`` of each answer are reasoning that the next turn's history leaves
+out, so the reuse ends where the previous prompt did.
+
+The numbers are cache accounting, not speed: the engine (EngineCore, stepped directly) runs the
+tiny dummy shape with random weights on the CPU; its tokens only make the answers. Per turn,
+``reusable`` is the longest prefix of the prompt whose KV an earlier round computed (same salt),
+less the one token that is always computed; ``hit`` is what the engine served from cache (capped at
+``reusable``: prompts of one round may also meet each other's first tokens).
+
+Prints one JSON line per (block size, mode, entries on/off). Goal: with entries, at most 1 % of the
+reusable prefix recomputed.
+Run: .venv/bin/python benchmarks/agent_turns.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import DUMMY_CONFIGS, EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.logs import configure_logging  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from kernels import load_ops  # noqa: E402
+
+IM_START, IM_END, NL = 1, 2, 198
+ROLES = {"system": (9690,), "user": (4093,), "assistant": (520, 9531)}
+GENERATION_PROMPT = [IM_START, *ROLES["assistant"], NL]
+SALT = "tenant-0"
+
+
+def render(messages: list[tuple[str, list[int]]]) -> tuple[list[int], list[int]]:
+    """ChatML prompt with the generation prompt, and the boundaries a gateway sends."""
+    ids: list[int] = []
+    ends: list[int] = []
+    for role, content in messages:
+        ids += [IM_START, *ROLES[role], NL, *content, IM_END, NL]
+        ends.append(len(ids))
+    return ids + GENERATION_PROMPT, sorted({ends[0], ends[-1]})
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(300, 40000) for _ in range(n)]
+
+
+def run(core: EngineCore, args: argparse.Namespace, thinking: bool) -> list[dict]:
+    """All conversations, round by round; returns one record per turn."""
+    rng = random.Random(args.seed)  # the same conversations for every configuration
+    system = words(rng, args.system_tokens)
+    chats = [[("system", system)] for _ in range(args.conversations)]
+    last_output: list[list[int]] = [[] for _ in range(args.conversations)]
+    computed: list[np.ndarray] = []  # KV the engine computed in earlier rounds
+    records = []
+    for round_ in range(args.conversations + args.turns - 1):
+        active = [c for c in range(args.conversations) if 0 <= round_ - c < args.turns]
+        prompts = {}
+        for c in active:
+            if last_output[c]:
+                # the last sampled token stands for the <|im_end|> that the template writes itself
+                chats[c].append(("assistant", last_output[c][args.reasoning_tokens if thinking else 0 : -1]))
+            new = args.turn_tokens - (len(chats[c][-1][1]) if len(chats[c]) > 1 else 0)
+            chats[c].append(("user", words(rng, max(new + rng.randint(-100, 100), 1))))
+            prompt, boundaries = render(chats[c])
+            prompts[c] = prompt
+            sampling = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
+            core.add_request(GenerateRequest(f"c{c}-t{round_ - c}", prompt, sampling, SALT, boundaries))
+        outputs: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
+        while core.has_work():
+            for frame in core.step():
+                outputs.setdefault(frame.request_id, []).extend(frame.token_ids)
+                cached[frame.request_id] = frame.num_cached_tokens
+        for c in active:
+            rid = f"c{c}-t{round_ - c}"
+            prompt = np.asarray(prompts[c])
+            reusable = min(max((common_prefix_len(prompt, k) for k in computed), default=0), len(prompt) - 1)
+            records.append({"turn": round_ - c, "prompt": len(prompt), "reusable": reusable, "cached": cached[rid]})
+            last_output[c] = outputs[rid]
+        computed += [np.asarray(prompts[c] + last_output[c][:-1]) for c in active]
+    return records
+
+
+def summarize(records: list[dict], block_size: int, thinking: bool, entries: bool, seconds: float) -> dict:
+    follow_ups = [r for r in records if r["turn"] > 0]
+    reusable = sum(r["reusable"] for r in records)
+    hit = sum(min(r["cached"], r["reusable"]) for r in records)
+    recomputed = [r["reusable"] - min(r["cached"], r["reusable"]) for r in records]
+    return {
+        "bench": "agent_turns",
+        "block_size": block_size,
+        "mode": "thinking" if thinking else "plain",
+        "exact_position_entries": entries,
+        "turns": len(records),
+        "prompt_tokens": sum(r["prompt"] for r in records),
+        "reusable_tokens": reusable,
+        "hit_tokens": hit,
+        "hit_fraction_of_reusable": round(hit / reusable, 5),
+        "recomputed_fraction_of_reusable": round(1 - hit / reusable, 5),
+        "recomputed_reusable_tokens_per_turn": round(sum(recomputed) / len(records), 1),
+        "recomputed_reusable_tokens_per_follow_up_turn": round(
+            sum(r["reusable"] - min(r["cached"], r["reusable"]) for r in follow_ups) / len(follow_ups), 1
+        ),
+        "max_recomputed_reusable_tokens": max(recomputed),
+        "computed_prompt_tokens_per_turn": round(sum(r["prompt"] - r["cached"] for r in records) / len(records), 1),
+        "goal_met": 1 - hit / reusable <= 0.01,
+        "seconds": round(seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-sizes", default="16,64,256")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=2600)
+    parser.add_argument("--turn-tokens", type=int, default=1300, help="new prompt tokens per turn (about)")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--reasoning-tokens", type=int, default=48, help="of the answer, in thinking mode")
+    parser.add_argument("--kv-tokens", type=int, default=2**17, help="KV pool size in tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the same accounting, sooner)")
+    args = parser.parse_args()
+    configure_logging("WARNING")  # stdout holds the measurements
+
+    max_len = args.system_tokens + (args.turns + 1) * (args.turn_tokens + 200) + args.answer_tokens
+    shape = dataclasses.replace(DUMMY_CONFIGS["tiny"], name="tiny-long", max_position_embeddings=max_len)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(shape.to_json())
+        f.flush()
+        ops = load_ops("torch" if args.device == "cpu" else "triton")
+        model, config = load_model(f.name, "dummy", torch.device(args.device), torch.float32, ops)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)  # peaky logits: answers vary, so no answer matches its reasoning by chance
+    for block_size in map(int, args.block_sizes.split(",")):
+        for thinking in (False, True):
+            for entries in (False, True):
+                engine_config = EngineConfig(
+                    model=config.name, device=args.device, dtype="float32", block_size=block_size,
+                    num_kv_blocks=args.kv_tokens // block_size,
+                    max_num_batched_tokens=2048, max_partial_entries_fraction=0.25 if entries else 0.0,
+                )
+                core = EngineCore(engine_config, model, config)
+                start = time.perf_counter()
+                records = run(core, args, thinking)
+                print(json.dumps(summarize(records, block_size, thinking, entries, time.perf_counter() - start)),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
