@@ -37,64 +37,62 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(300, 12000) for _ in range(length)] for _ in range(n)]
 
 
-def run_engine(core: EngineCore, batch: list[list[int]], max_tokens: int, tag: str) -> float:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(batch):
-        core.add_request(GenerateRequest(f"{tag}-{i}", p, sampling))
-    t0 = time.perf_counter()
-    while core.has_work():
-        core.step()
-    return time.perf_counter() - t0
+class Ours:
+    def __init__(self, model_path: str, prompt_len: int):
+        cfg = EngineConfig(model=model_path, max_num_batched_tokens=max(prompt_len, 2048), num_kv_blocks=2048,
+                           enable_prefix_caching=False)
+        self.core = EngineCore.from_config(cfg)
+        self.core.warmup()
+        self.runs = 0
+
+    def generate(self, batch: list[list[int]], max_tokens: int) -> float:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for p in batch:
+            self.runs += 1
+            self.core.add_request(GenerateRequest(f"r{self.runs}", p, sampling))
+        t0 = time.perf_counter()
+        while self.core.has_work():
+            self.core.step()
+        return time.perf_counter() - t0
 
 
-def bench_ours(args, model_path: str) -> dict:
-    cfg = EngineConfig(model=model_path, max_num_batched_tokens=max(args.prompt_len, 2048), num_kv_blocks=2048,
-                       enable_prefix_caching=False)
-    core = EngineCore.from_config(cfg)
-    core.warmup()
-    results = {}
+class HF:
+    def __init__(self, model_path: str):
+        from pathlib import Path
+
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, batch: list[list[int]], max_tokens: int) -> float:
+        ids = torch.tensor(batch)
+        t0 = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+
+def measure(args, peers: dict) -> dict[str, dict[str, float]]:
+    """Best of --repeats for every peer, the peers interleaved so that machine noise hits both."""
     (prompt,) = prompts(1, args.prompt_len, 1)
-    t = min(run_engine(core, [prompt], 1, f"pf{r}") for r in range(args.repeats))
-    results["prefill"] = args.prompt_len / t
-    for batch_size in (1, args.batch):
-        batch = prompts(batch_size, 16, 2)
-        t_short = min(run_engine(core, batch, 1, f"d1-{batch_size}-{r}") for r in range(args.repeats))
-        t_long = min(run_engine(core, batch, args.decode_tokens + 1, f"dn-{batch_size}-{r}") for r in range(args.repeats))
-        results[f"decode_b{batch_size}"] = batch_size * args.decode_tokens / (t_long - t_short)
-    return results
-
-
-def bench_hf(args, model_path: str) -> dict:
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    path = Path(model_path)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    workloads = {"prefill": ([prompt], 1)}
+    for b in (1, args.batch):
+        workloads[f"decode_b{b}_short"] = (prompts(b, 16, 2), 1)
+        workloads[f"decode_b{b}_long"] = (prompts(b, 16, 2), args.decode_tokens + 1)
+    best = {name: dict.fromkeys(workloads, float("inf")) for name in peers}
+    for peer in peers.values():
+        peer.generate(prompts(1, 16, 3), 2)  # first-call costs
+    for _ in range(args.repeats):
+        for key, (batch, max_tokens) in workloads.items():
+            for name, peer in peers.items():
+                best[name][key] = min(best[name][key], peer.generate(batch, max_tokens))
     results = {}
-    with torch.inference_mode():
-        ids = torch.tensor(prompts(1, args.prompt_len, 1))
-        model(ids)
-        best = float("inf")
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            model(ids)
-            best = min(best, time.perf_counter() - t0)
-        results["prefill"] = args.prompt_len / best
-        for batch_size in (1, args.batch):
-            ids = torch.tensor(prompts(batch_size, 16, 2))
-            mask = torch.ones_like(ids)
-
-            def gen(n: int) -> float:
-                t0 = time.perf_counter()
-                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0)
-                return time.perf_counter() - t0
-
-            gen(2)
-            t_short = min(gen(1) for _ in range(args.repeats))
-            t_long = min(gen(args.decode_tokens + 1) for _ in range(args.repeats))
-            results[f"decode_b{batch_size}"] = batch_size * args.decode_tokens / (t_long - t_short)
+    for name, t in best.items():
+        results[name] = {"prefill": args.prompt_len / t["prefill"]}
+        for b in (1, args.batch):
+            results[name][f"decode_b{b}"] = b * args.decode_tokens / (t[f"decode_b{b}_long"] - t[f"decode_b{b}_short"])
     return results
 
 
@@ -151,8 +149,8 @@ def main() -> None:
     args = parser.parse_args()
     model_path = str(default_model_path())
     env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
-    ours = bench_ours(args, model_path)
-    hf = bench_hf(args, model_path)
+    results = measure(args, {"kvgate": Ours(model_path, args.prompt_len), "hf": HF(model_path)})
+    ours, hf = results["kvgate"], results["hf"]
     emit(metric="prefill_tok_s", prompt_len=args.prompt_len, kvgate=round(ours["prefill"], 1),
          hf_transformers=round(hf["prefill"], 1), ratio=round(ours["prefill"] / hf["prefill"], 2), **env)
     for b in (1, args.batch):
