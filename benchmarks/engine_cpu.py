@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.logs import configure_logging  # noqa: E402
 from engine.models.loader import default_model_path  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -147,6 +148,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    configure_logging("WARNING")  # stdout carries only the JSON lines
     model_path = str(default_model_path())
     env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
     results = measure(args, {"kvgate": Ours(model_path, args.prompt_len), "hf": HF(model_path)})
