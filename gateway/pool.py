@@ -57,7 +57,7 @@ class ModelInfo:
         )
 
 
-def _refused(exc: EngineUnavailable | EngineFailed) -> bool:
+def _refused(exc: EngineUnavailable) -> bool:
     return isinstance(exc.__cause__, httpx.ConnectError)
 
 

@@ -47,9 +47,12 @@ ROUND_ROBIN = "round_robin"
 FAILOVER = "failover"  # a retry after the replica chosen first failed
 
 # After the index failed, route without it this long before asking again, so a dead Redis costs
-# requests nothing; timeouts alone back off only when they repeat (a loaded host may just be slow).
+# requests nothing. A lone timeout only routes its request by load (a loaded host may just be slow);
+# repeated ones count as the index being down.
 INDEX_RETRY_S = 1.0
 TIMEOUTS_BEFORE_BACKOFF = 3
+# A cold client connects and loads its Lua scripts on first use: slower than a request may wait.
+CONNECT_TIMEOUT_S = 5.0
 LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
 
 
@@ -186,8 +189,9 @@ class PrefixRouter(Router):
     """Prefix-cache-aware routing over the shared index (see the module docstring).
 
     Cache information comes from one :meth:`PrefixIndex.lookup` per request, bounded by
-    ``lookup_timeout_s``; a failure or timeout routes that request by load, logs once per change of
-    the index's state and backs off (``INDEX_RETRY_S``). After each choice the prompt's blocks are
+    ``lookup_timeout_s``; a failure or timeout routes that request by load. An unavailable index (an
+    error, or ``TIMEOUTS_BEFORE_BACKOFF`` timeouts in a row) is logged once per change of state and
+    not asked again for ``INDEX_RETRY_S``. After each choice the prompt's blocks are
     inserted as speculative entries of the chosen replica (``speculative_ttl_s``, in the background),
     so that concurrent requests with the same prefix, from any gateway, follow before the engine's
     own events arrive. Index replica ids map to replicas through each engine's /stats ``replica_id``.
@@ -216,6 +220,14 @@ class PrefixRouter(Router):
             log.warning("prefix_index_local", index_url=self._index_url,
                         reason="engines in other processes cannot publish to a memory:// index, so prefix "
                                "routing routes by load; give gateway and engines a shared --index-url redis://")
+        try:  # connect now, and log whether the index answers
+            await asyncio.wait_for(self._index.lookup([]), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            self._index_down(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
+        except IndexUnavailableError as exc:
+            self._index_down(str(exc))
+        else:
+            self._index_up()
 
     async def close(self) -> None:
         await asyncio.gather(*self._background)  # each bounded by the lookup timeout
@@ -259,26 +271,29 @@ class PrefixRouter(Router):
 
     async def _guarded(self, call: Awaitable[Any]) -> Any | None:
         """The call's result, or None when the index failed or was too slow (its state updated)."""
+        timeout_s = self._settings.lookup_timeout_s
         try:
-            result = await asyncio.wait_for(call, self._settings.lookup_timeout_s)
+            result = await asyncio.wait_for(call, timeout_s)
         except TimeoutError:
             self._timeouts += 1
-            self._index_failed(f"no answer within {self._settings.lookup_timeout_s * 1e3:.0f} ms",
-                               backoff=self._timeouts >= TIMEOUTS_BEFORE_BACKOFF)
+            if self._timeouts >= TIMEOUTS_BEFORE_BACKOFF:
+                self._index_down(f"no answer within {timeout_s * 1e3:.0f} ms, {self._timeouts} times in a row")
             return None
         except IndexUnavailableError as exc:
-            self._index_failed(str(exc), backoff=True)
+            self._index_down(str(exc))
             return None
+        self._index_up()
+        return result
+
+    def _index_up(self) -> None:
         self._timeouts = 0
         if not self._index_ok:
             log.info("prefix_index_available", index_url=self._index_url)
             self._index_ok = True
             self._metrics.index_available.set(1)
-        return result
 
-    def _index_failed(self, error: str, backoff: bool) -> None:
-        if backoff:
-            self._retry_at = time.monotonic() + INDEX_RETRY_S
+    def _index_down(self, error: str) -> None:
+        self._retry_at = time.monotonic() + INDEX_RETRY_S
         if self._index_ok is not False:
             log.warning("prefix_index_unavailable", index_url=self._index_url, error=error,
                         routing="by load until it answers again")

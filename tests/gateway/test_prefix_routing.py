@@ -197,20 +197,22 @@ def flaky(monkeypatch) -> FlakyIndex:
 
 async def test_index_down_routes_by_load_logs_once_and_backs_off(flaky):
     metrics = GatewayMetrics()
-    router = await started_router("redis://127.0.0.1:1/0", metrics)
+    with capture_logs() as logs:
+        router = await started_router("redis://127.0.0.1:1/0", metrics)
+    assert [x["event"] for x in logs] == ["prefix_index_available"] and flaky.lookups == 1  # connected at start
     replicas = [replica("a", "e0", pending_prefill_tokens=500), replica("b", "e1")]
     flaky.down = True
     with capture_logs() as logs:
         reasons = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(5)]
     assert {(d.replica.url, d.reason) for d in reasons} == {("http://b", "no_index")}
-    assert flaky.lookups == 1 and flaky.inserts == 0  # backing off: the next four did not ask
+    assert flaky.lookups == 2 and flaky.inserts == 0  # backing off: the next four did not ask
     assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
     assert sample(metrics.index_available) == 0
     flaky.down = False
     router._retry_at = 0.0  # as if INDEX_RETRY_S had passed
     with capture_logs() as logs:
         decisions = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(3)]
-    assert {d.reason for d in decisions} == {"prefix_miss"} and flaky.lookups == 4
+    assert {d.reason for d in decisions} == {"prefix_miss"} and flaky.lookups == 5
     assert [x["event"] for x in logs] == ["prefix_index_available"]
     await router.close()
 
@@ -219,9 +221,23 @@ async def test_a_slow_index_times_out_and_repeated_timeouts_back_off(flaky):
     router = await started_router("redis://127.0.0.1:1/0", lookup_timeout_s=0.01)
     replicas = [replica("a", "e0"), replica("b", "e1")]
     flaky.slow = True
-    for _ in range(router_module.TIMEOUTS_BEFORE_BACKOFF + 2):
+    with capture_logs() as logs:
         assert (await router.choose(RouteRequest(PROMPT, None), replicas)).reason == "no_index"
-    assert flaky.lookups == router_module.TIMEOUTS_BEFORE_BACKOFF
+        assert logs == []  # one slow answer is no outage
+        for _ in range(router_module.TIMEOUTS_BEFORE_BACKOFF + 1):
+            assert (await router.choose(RouteRequest(PROMPT, None), replicas)).reason == "no_index"
+    assert flaky.lookups == 1 + router_module.TIMEOUTS_BEFORE_BACKOFF
+    assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
+    await router.close()
+
+
+async def test_an_index_down_at_start_is_logged_and_routing_works(flaky):
+    flaky.down = True
+    with capture_logs() as logs:
+        router = await started_router("redis://127.0.0.1:1/0")
+    assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
+    decision = await router.choose(RouteRequest(PROMPT, None), [replica("a", "e0"), replica("b", "e1")])
+    assert decision.reason == "no_index" and flaky.lookups == 1  # backing off since the start
     await router.close()
 
 
