@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from gateway.config import default_model_path  # noqa: E402
-from gateway.engine_client import MSGPACK, pack_request  # noqa: E402
+from gateway.engine_client import MSGPACK  # noqa: E402
 from gateway.spawn import free_port  # noqa: E402
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
 
@@ -85,7 +85,7 @@ class Paths:
         self.counter += 1
         req = GenerateRequest(f"bench-{self.counter}", ids, SamplingParams(max_tokens=1, temperature=0.0),
                               None, boundaries)
-        return self.engine + "/generate", pack_request(req), {"content-type": MSGPACK}
+        return self.engine + "/generate", req.pack(), {"content-type": MSGPACK}
 
     def requests(self) -> dict[str, Callable[[], tuple[str, bytes, dict]]]:
         js = {"content-type": "application/json"}

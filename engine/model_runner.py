@@ -110,16 +110,7 @@ class ModelRunner:
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
         starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
         dev = self.device
-        attn = AttentionMetadata(
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            seq_lens_cpu=lens,
-            query_start_loc_cpu=starts,
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-        )
+        attn = self._metadata(tables, lens, starts, slots, max(lens))
         input_ids = torch.randint(self.config.vocab_size, (num_tokens,), device=dev)
         hidden = self.model(input_ids, torch.tensor(positions, device=dev), attn, kv_caches)
         rows = min(self.max_num_seqs, num_tokens)
@@ -168,6 +159,22 @@ class ModelRunner:
             for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
         ]
 
+    def _metadata(
+        self, block_tables: np.ndarray, seq_lens: list[int], query_start: list[int], slots: list[int],
+        max_query_len: int,
+    ) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+        )
+
     def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
         the rows to sample (the last token of each sequence that is now fully computed) and
@@ -197,16 +204,7 @@ class ModelRunner:
         for i, (seq, _) in enumerate(scheduled):
             block_tables[i, : len(seq.block_ids)] = seq.block_ids
         dev = self.device
-        attn = AttentionMetadata(
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=query_start,
-            max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens),
-        )
+        attn = self._metadata(block_tables, seq_lens, query_start, slots, max(n for _, n in scheduled))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paged import peaky_tiny
+
 from engine.models.loader import default_model_path, load_model
 from kernels import load_ops
 
@@ -33,3 +35,9 @@ def hf_gguf_model(gguf_path):
     return AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """``(model, config)``: the tiny dummy shape with peaky random weights, CPU fp32."""
+    return peaky_tiny()

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
+from engine.config import DUMMY_CONFIGS, ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from kernels import load_ops
+
+
+def peaky_tiny(
+    device: str = "cpu", ops: str = "torch", max_position_embeddings: int | None = None
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The tiny dummy shape with peaky weights: greedy ties are unlikely, sampling differs visibly."""
+    torch.manual_seed(0)
+    config = DUMMY_CONFIGS["tiny"]
+    if max_position_embeddings is not None:
+        config = dataclasses.replace(config, max_position_embeddings=max_position_embeddings)
+    model = LlamaForCausalLM(config, load_ops(ops), device=device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return model, config
 
 
 class PagedKV:

@@ -5,22 +5,10 @@ import pytest
 import torch
 
 from engine.__main__ import build_parser, engine_config
-from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
-from engine.models.llama import LlamaForCausalLM
 from engine.protocol import GenerateRequest, SamplingParams
-from kernels import load_ops
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    config = DUMMY_CONFIGS["tiny"]
-    model = LlamaForCausalLM(config, load_ops("torch"))
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return model, config
 
 
 def tiny_core(tiny, **overrides):

@@ -5,11 +5,9 @@ import random
 import pytest
 import torch
 
-from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.models.llama import LlamaForCausalLM
 from engine.protocol import GenerateRequest, SamplingParams
-from kernels import load_ops
 
 MAX_NEW = 12
 CHUNK = 64
@@ -106,16 +104,6 @@ def test_repeated_prompts_hit_the_cache_with_identical_outputs(real_engine_facto
 
 
 # --- fast checks on a tiny random model ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    config = DUMMY_CONFIGS["tiny"]
-    model = LlamaForCausalLM(config, load_ops("torch"))
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # peaky logits: greedy and sampling differ visibly
-    return model, config
-
 
 def tiny_core(tiny, **overrides):
     model, config = tiny

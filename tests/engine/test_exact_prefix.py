@@ -3,19 +3,17 @@ cold prefill, at block sizes 16 to 256; page contents stay right under eviction 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from paged import peaky_tiny
 
-from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model_runner import SampledToken
-from engine.models.llama import LlamaForCausalLM
 from engine.protocol import GenerateRequest, SamplingParams
-from kernels import load_ops
 
 # SmolLM2's ChatML in token space: "<|im_start|>", "<|im_end|>", "\n" and the role names.
 IM_START, IM_END, NL = 1, 2, 198
@@ -142,19 +140,9 @@ def assert_same_outputs(chats: list[Chat], cold: dict[str, list[int]]) -> None:
 
 # --- the tiny random model: 24 chats at block sizes 16, 64, 128 and 256 ------------------------
 
-def peaky_tiny(device: str, ops: str):
-    """The tiny dummy shape with a 4K context and peaky weights (greedy ties are unlikely)."""
-    torch.manual_seed(0)
-    config = dataclasses.replace(DUMMY_CONFIGS["tiny"], max_position_embeddings=4096)
-    model = LlamaForCausalLM(config, load_ops(ops), device=device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return model, config
-
-
 @pytest.fixture(scope="module")
 def tiny_long():
-    return peaky_tiny("cpu", "torch")
+    return peaky_tiny(max_position_embeddings=4096)
 
 
 def tiny_core(tiny_long, **overrides) -> EngineCore:
@@ -182,7 +170,7 @@ def test_resumed_chats_match_cold_prefill_on_the_tiny_model(tiny_long, block_siz
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 def test_resumed_chats_match_cold_prefill_on_cuda(block_size):
     """Triton kernels (fp32), decode CUDA graphs replayed over copied pages."""
-    model, config = peaky_tiny("cuda", "triton")
+    model, config = peaky_tiny("cuda", "triton", max_position_embeddings=4096)
     rng = random.Random(block_size)
     chats = make_chats(rng, 6, system_len=(150, 500))
 
