@@ -44,10 +44,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="kernel op set: triton kernels or the torch reference ops; auto = triton on "
                         "CUDA, torch on the CPU (default: auto)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling (default: 0)")
-    g.add_argument("--index-url", default=None,
-                   help="publish KV cache events to this prefix index (redis://host:6379/0); default: none")
-    g.add_argument("--replica-id", default="engine-0",
-                   help="this engine's id in the prefix index and /stats (default: engine-0)")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of the JSON logs on stderr (default: INFO)")
 
@@ -75,8 +71,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_partial_entries_fraction=args.max_partial_entries_fraction,
         kernel_backend=args.kernel_backend,
         seed=args.seed,
-        index_url=args.index_url,
-        replica_id=args.replica_id,
+        # serve only: offline runs publish nothing
+        index_url=getattr(args, "index_url", None),
+        replica_id=getattr(args, "replica_id", "engine-0"),
     )
 
 
@@ -86,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the engine sidecar (HTTP: /generate, /abort, /health, /stats, /metrics)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8100, help="bind port (default: 8100)")
+    serve.add_argument("--index-url", default=None,
+                        help="publish KV cache events to this prefix index (redis://host:6379/0); default: none")
+    serve.add_argument("--replica-id", default="engine-0",
+                        help="this engine's id in the prefix index and /stats (default: engine-0)")
     _add_model_flags(serve)
     gen = sub.add_parser(
         "generate",
