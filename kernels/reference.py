@@ -88,10 +88,13 @@ def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale
     max_len = max(ctx)
     num_blocks = (max_len + block_size - 1) // block_size
     index = torch.tensor(rows, device=q.device)
-    tables = block_tables.index_select(0, index)[:, :num_blocks].long()
+    # table entries past a shorter sequence's end may be padding (-1): read block 0, masked anyway
+    blocks = block_tables.index_select(0, index)[:, :num_blocks].flatten().long().clamp(min=0)
     # [B, kv_heads, max_len, dim], padded past each sequence's length and masked out
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    # (index_select: several times faster than advanced indexing on CPU)
+    shape = (len(rows), num_blocks * block_size, *k_cache.shape[2:])
+    k = k_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
     lengths = torch.tensor(ctx, device=q.device)
     mask = (torch.arange(max_len, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
     q_rows = torch.tensor([starts[i] for i in rows], device=q.device)
