@@ -280,6 +280,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "max_num_seqs": self.config.max_num_seqs,
+            **{f"total_{name}": getattr(self.counters, name) for name in EngineCounters.__dataclass_fields__},
         }
 
     def warmup(self) -> None:
