@@ -30,6 +30,7 @@ from engine.protocol import GenerateRequest, OutputFrame, ProtocolError, unpack_
 log = structlog.get_logger("engine.server")
 
 MSGPACK = "application/x-msgpack"
+STATS_INTERVAL_S = 0.05  # /stats and /metrics read a snapshot at most this old while busy
 
 
 class Metrics:
@@ -132,6 +133,7 @@ class EngineLoop:
             self.failed = exc
             return
         core = self.core
+        stats_at = time.perf_counter()
         while True:
             frames: list[OutputFrame] = []
             block = not core.has_work()
@@ -151,7 +153,9 @@ class EngineLoop:
                 self.metrics.steps.inc()
                 if self._publisher is not None and (events := core.kv.drain_events()):
                     self._publisher.publish(events)
-            self.snapshot = core.stats()
+            now = time.perf_counter()
+            if not core.has_work() or now - stats_at >= STATS_INTERVAL_S:  # fresh before idling
+                self.snapshot, stats_at = core.stats(), now
             if frames:
                 self._loop.call_soon_threadsafe(self._deliver, frames)
 
