@@ -36,6 +36,9 @@ class GatewayMetrics:
             "kvgate_gateway_replica_pending_prefill_tokens",
             "Predicted uncached prompt tokens of this gateway's requests on a replica still before their first token",
             ["replica"], registry=r)
+        self.replica_utilization = Gauge(
+            "kvgate_gateway_replica_utilization",
+            "Busy fraction of a replica's engine loop, smoothed over recent health polls", ["replica"], registry=r)
         self.replica_breaker = Gauge("kvgate_gateway_replica_breaker_open",
                                      "Circuit breaker of a replica: 0 closed, 0.5 half-open (probing), 1 open",
                                      ["replica"], registry=r)

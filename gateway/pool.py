@@ -9,6 +9,12 @@ too. Every state change is logged once (``replica_ready`` / ``replica_down``).
 it, or whose stream breaks before its first frame, is reported and the request moves to the next
 best replica (at most ``MAX_ATTEMPTS`` replicas per request). A stream that broke after its first
 frame is not retried: the client has seen tokens.
+
+When a replica's circuit breaker opens (its health checks time out or fail, or its requests do), the
+engine calls this gateway still waits on there are interrupted: a hung engine (stopped, deadlocked, a
+host gone silent without closing its connections) would otherwise hold them forever, since a queued
+request may legitimately wait long for its first frame (no read timeout). Interrupted requests move
+on like broken ones: to another replica before their first frame, an error after it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import structlog
@@ -31,7 +38,12 @@ from gateway.router import FAILOVER, Replica, RouteDecision, Router, RouteReques
 log = structlog.get_logger("gateway.pool")
 
 MAX_ATTEMPTS = 3  # replicas tried for one engine request
+T = TypeVar("T")
 _BREAKER_GAUGE = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 0.5, BreakerState.OPEN: 1.0}
+
+
+class ReplicaDown(EngineFailed):
+    """The request's replica was taken out of service (circuit breaker open) while the request waited on it."""
 
 
 class NoReplicaAvailable(Exception):
@@ -91,9 +103,15 @@ class EnginePool:
     # --- health ---
 
     def report_failure(self, replica: Replica, reason: str, refused: bool = False) -> None:
-        """A request or probe failed on ``replica`` (``refused``: the connection was refused)."""
+        """A request or probe failed on ``replica`` (``refused``: the connection was refused). When that
+        opens its breaker, the requests still waiting on it are interrupted."""
+        was_closed = replica.breaker.closed
         replica.breaker.record_failure(refused)
         self._refresh(replica, reason)
+        if was_closed and not replica.breaker.closed and replica.streams:
+            log.warning("replica_requests_interrupted", replica=replica.url, requests=len(replica.streams))
+            for stream in list(replica.streams):
+                stream.interrupt(f"engine {replica.url} was taken out of service: {reason}")
 
     def report_success(self, replica: Replica) -> None:
         replica.breaker.record_success()
@@ -147,6 +165,8 @@ class EnginePool:
             else:
                 replica.stats = stats
                 replica.in_flight_at_poll = replica.in_flight
+                if "total_busy_seconds" in stats:
+                    replica.observe_busy(stats["total_busy_seconds"], time.monotonic())
                 replica.replica_id = replica_id
                 replica.engine_ready = True
                 self.report_success(replica)
@@ -190,6 +210,7 @@ class EnginePool:
             m.replica_ready.labels(r.url).set(1 if r.ready else 0)
             m.replica_in_flight.labels(r.url).set(r.in_flight)
             m.replica_pending_prefill.labels(r.url).set(r.pending_prefill_tokens)
+            m.replica_utilization.labels(r.url).set(r.utilization)
             m.replica_breaker.labels(r.url).set(_BREAKER_GAUGE[r.breaker.state])
 
 
@@ -205,6 +226,8 @@ class RoutedStream:
         self._stream: EngineStream | None = None
         self._pending_tokens = 0  # counted in replica.pending_prefill_tokens
         self._closed = False
+        self._interrupted: str | None = None  # why the replica went down under this request
+        self._waiting: asyncio.Task | None = None  # the task awaiting an engine call, during the call
         self.replica: Replica | None = None
         self.decision: RouteDecision | None = None
 
@@ -227,7 +250,10 @@ class RoutedStream:
             self._tried.append(replica)
             self._count(decision)  # before the await: concurrent routing sees this request's load
             try:
-                self._stream = await replica.client.open(self._request)
+                self._stream = await self._engine_call(replica.client.open, self._request)
+            except ReplicaDown:
+                self._uncount()
+                continue
             except EngineUnavailable as exc:
                 self._uncount()
                 self._pool.report_failure(replica, str(exc), refused=_refused(exc))
@@ -246,7 +272,11 @@ class RoutedStream:
             got_frame = False
             try:
                 async with contextlib.aclosing(self._stream.frames()) as frames:
-                    async for frame in frames:
+                    while True:
+                        try:
+                            frame = await self._engine_call(anext, frames)
+                        except StopAsyncIteration:
+                            break
                         if not got_frame:
                             got_frame = True
                             self._prefilled()
@@ -254,7 +284,8 @@ class RoutedStream:
             except EngineFailed as exc:
                 if self._closed:  # closed by its reader (stop string): not the engine's fault
                     return
-                self._pool.report_failure(self.replica, str(exc))
+                if not isinstance(exc, ReplicaDown):  # that one is already out
+                    self._pool.report_failure(self.replica, str(exc))
                 if got_frame:
                     raise
                 error = exc
@@ -269,6 +300,29 @@ class RoutedStream:
             except (NoReplicaAvailable, EngineRejected) as exc:
                 raise EngineFailed(f"{error}; no other replica took the request: {exc}") from None
             log.info("request_failover", error=str(error), replica=self.replica.url)
+
+    def interrupt(self, reason: str) -> None:
+        """The replica was taken out of service: end the engine call this request waits on (now, or when
+        it next makes one), with ReplicaDown. Called by the pool, on the event loop."""
+        if self._interrupted is None:
+            self._interrupted = reason
+            if self._waiting is not None:
+                self._waiting.cancel()
+
+    async def _engine_call(self, fn: Callable[..., Awaitable[T]], *args: object) -> T:
+        """``await fn(*args)``, unless :meth:`interrupt` comes first: then ReplicaDown. A flag, not a
+        timeout scope per frame, keeps this cheap; the cancellation can only land inside the call."""
+        if self._interrupted is not None:
+            raise ReplicaDown(self._interrupted)
+        task = self._waiting = asyncio.current_task()
+        try:
+            return await fn(*args)
+        except asyncio.CancelledError:
+            if self._interrupted is None or task.uncancel() > 0:
+                raise  # a real cancellation (the client went away)
+            raise ReplicaDown(self._interrupted) from None
+        finally:
+            self._waiting = None
 
     async def aclose(self) -> None:
         """Idempotent: closes the stream (which aborts what the engine still runs) and releases the load."""
@@ -285,6 +339,8 @@ class RoutedStream:
         self.decision = decision
         self.replica = decision.replica
         self.replica.in_flight += 1
+        self.replica.streams.add(self)
+        self._interrupted = None
         self._pending_tokens = len(self._request.prompt_ids) - decision.predicted_cached_tokens
         self.replica.pending_prefill_tokens += self._pending_tokens
 
@@ -295,3 +351,4 @@ class RoutedStream:
     def _uncount(self) -> None:
         self._prefilled()
         self.replica.in_flight -= 1
+        self.replica.streams.discard(self)

@@ -3,10 +3,13 @@
 Policies (``--routing``):
 
 - ``prefix`` (default): the replica that predicts the least work for the request (:func:`pick`):
-  the prefill queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
+  the work queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
   block hashes) and the cached tokens it would recompute, among the replicas whose queue is within
   ``--prefix-load-bound`` tokens of the shortest one. Without an answer from the index it routes on
-  the queues alone.
+  the queues alone. The queue is the larger of what is known to wait there (this gateway's
+  requests before their first token, other gateways' requests from the engine's /stats) and what
+  the replica's utilization predicts (:func:`expected_queue`): between the turns of its
+  conversations a busy replica's queue is empty, yet their next turns are bound to come back.
 - ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
 - ``round-robin``: in turn.
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from gateway.config import GatewayConfig
     from gateway.engine_client import EngineClient
     from gateway.metrics import GatewayMetrics
+    from gateway.pool import RoutedStream
 
 log = structlog.get_logger("gateway.router")
 
@@ -54,6 +58,8 @@ TIMEOUTS_BEFORE_BACKOFF = 3
 # A cold client connects and loads its Lua scripts on first use: slower than a request may wait.
 CONNECT_TIMEOUT_S = 5.0
 LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
+UTILIZATION_EWMA_WEIGHT = 0.3  # of the latest poll interval in a replica's utilization (1 s polls: ~3 s)
+MAX_UTILIZATION = 0.95  # caps the expected queue at 19 requests
 
 
 @dataclass(slots=True, eq=False)
@@ -68,14 +74,24 @@ class Replica:
     stats: dict[str, Any] = field(default_factory=dict)  # its last /stats
     in_flight_at_poll: int = 0  # in_flight when ``stats`` was taken
     replica_id: str | None = None  # its id in the prefix index (from /stats)
+    utilization: float = 0.0  # busy fraction of its engine loop, smoothed over polls
+    busy_sample: tuple[float, float] | None = None  # (engine's total_busy_seconds, monotonic time) at the last poll
     engine_ready: bool = False  # its last /stats answered 200 with the pool's model
     error: str | None = None  # why it is not ready
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    streams: set[RoutedStream] = field(default_factory=set)  # this gateway's requests on it (to interrupt)
 
     @property
     def queued(self) -> int:
         """Requests waiting in the engine's queue, as of the last poll."""
         return self.stats.get("num_waiting", 0)
+
+    def observe_busy(self, busy_seconds: float, now: float) -> None:
+        """A poll's ``total_busy_seconds`` counter at time ``now``: updates ``utilization``."""
+        if self.busy_sample is not None and now > self.busy_sample[1] and busy_seconds >= self.busy_sample[0]:
+            fraction = min(1.0, (busy_seconds - self.busy_sample[0]) / (now - self.busy_sample[1]))
+            self.utilization += UTILIZATION_EWMA_WEIGHT * (fraction - self.utilization)
+        self.busy_sample = (busy_seconds, now)
 
     @property
     def other_requests(self) -> int:
@@ -178,6 +194,12 @@ def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
     return best, PREFIX_HIT if candidates[best].cached_tokens == most_cached else LOAD_OVERRIDE
 
 
+def expected_queue(utilization: float) -> float:
+    """Requests an arrival finds at a replica this busy, as in an M/M/1 queue: ρ / (1 − ρ)."""
+    rho = min(utilization, MAX_UTILIZATION)
+    return rho / (1.0 - rho)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
     load_bound_tokens: int = 4096
@@ -244,7 +266,8 @@ class PrefixRouter(Router):
         for r in rotated:
             blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
             cached = min(blocks * self._block_size, num_tokens - 1)  # one token is always computed
-            load = r.pending_prefill_tokens + round(r.other_requests * self._mean_uncached)
+            known = r.pending_prefill_tokens + r.other_requests * self._mean_uncached
+            load = round(max(known, expected_queue(r.utilization) * self._mean_uncached))
             scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests))
         best, reason = pick(scored, self._settings.load_bound_tokens)
         chosen, score = rotated[best], scored[best]

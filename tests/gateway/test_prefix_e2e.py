@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -216,10 +216,10 @@ async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
     assert "prefix_index_available" in [x.get("event") for x in cluster.gateways[1].log_lines()]
 
 
-async def test_engine_killed_under_load(cluster: Cluster):
-    """12 streamed requests (MAX_NUM_SEQS run on each engine, the rest wait); one engine is killed once
-    the running ones stream. Its running requests end with an error event, its waiting ones fail over;
-    none hangs; new requests succeed."""
+async def break_under_load(cluster: Cluster, victim: Proc, fault: Callable[[], None], error: str) -> None:
+    """12 streamed requests (MAX_NUM_SEQS run on each engine, the rest wait); ``fault`` hits ``victim``
+    once the running ones stream. Its running requests end with an error event naming ``error``, its
+    waiting ones fail over; none hangs."""
     clients = [client(g) for g in cluster.gateways]
     rng = random.Random(7)
     streaming = 0
@@ -239,10 +239,10 @@ async def test_engine_killed_under_load(cluster: Cluster):
             outcomes.append("ok")
         except openai.APIError as exc:
             assert isinstance(exc.body, dict) and exc.body["type"] == "server_error", exc
-            assert exc.body["code"] == "engine_error" and "lost the connection" in exc.body["message"]
+            assert exc.body["code"] == "engine_error" and error in exc.body["message"], exc.body
             outcomes.append("error")
 
-    victim = cluster.engines[0]
+    failovers_before = sum(routed(g).get("failover", 0) for g in cluster.gateways)
     tasks = [asyncio.create_task(one(i)) for i in range(12)]
     deadline = time.monotonic() + 60
     while streaming < 3 * MAX_NUM_SEQS:  # every engine streams its running requests; the rest wait
@@ -250,17 +250,43 @@ async def test_engine_killed_under_load(cluster: Cluster):
         await asyncio.sleep(0.02)
     waiting = httpx.get(victim.url + "/stats").json()["num_waiting"]
     assert waiting >= 1  # 12 requests spread over 3 engines that run 2 each
-    os.kill(victim.proc.pid, signal.SIGKILL)
+    fault()
     await asyncio.wait_for(asyncio.gather(*tasks), 90)  # none hangs
     assert len(outcomes) == 12
-    assert outcomes.count("error") <= MAX_NUM_SEQS  # only what was streaming on the dead engine
-    failovers = sum(routed(g).get("failover", 0) for g in cluster.gateways)
+    assert outcomes.count("error") <= MAX_NUM_SEQS  # only what was streaming on the victim
+    failovers = sum(routed(g).get("failover", 0) for g in cluster.gateways) - failovers_before
     assert failovers >= waiting  # what waited there (no token yet) moved to another engine
     for gateway in cluster.gateways:
         assert any(x.get("event") == "replica_down" and x["replica"] == victim.url for x in gateway.log_lines())
-    for c in clients * 3:  # new requests: the dead engine is out, or they fail over from it
+    for c in clients * 3:  # new requests: the victim is out, or they fail over from it
         resp = await c.completions.create(model="tiny", prompt=[rng.randrange(300, 40000) for _ in range(40)],
                                           max_tokens=2)
         assert resp.usage.completion_tokens == 2
-    ready = httpx.get(cluster.gateways[0].url + "/ready").json()["replicas"]
+
+
+def readiness(gateway: Proc) -> dict[str, str]:
+    return httpx.get(gateway.url + "/ready").json()["replicas"]
+
+
+async def test_engine_stopped_under_load(cluster: Cluster):
+    """A hung engine (SIGSTOP: its connections stay open, nothing answers) is taken out by its failed
+    health checks, and the requests waiting on it are interrupted rather than left hanging; once it
+    runs again (SIGCONT) a probe brings it back."""
+    victim = cluster.engines[1]
+    await break_under_load(cluster, victim, lambda: os.kill(victim.proc.pid, signal.SIGSTOP), "taken out of service")
+    for gateway in cluster.gateways:
+        assert any(x.get("event") == "replica_requests_interrupted" and x["replica"] == victim.url
+                   for x in gateway.log_lines())
+    os.kill(victim.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60  # the breaker's cooldown doubles per failed probe
+    while any(readiness(g)[victim.url] != "ready" for g in cluster.gateways):
+        assert time.monotonic() < deadline, "the engine did not come back"
+        await asyncio.sleep(0.2)
+
+
+async def test_engine_killed_under_load(cluster: Cluster):
+    """As above with the engine killed: its connections close, so the requests on it fail at once."""
+    victim = cluster.engines[0]
+    await break_under_load(cluster, victim, lambda: os.kill(victim.proc.pid, signal.SIGKILL), "lost the connection")
+    ready = readiness(cluster.gateways[0])
     assert ready[victim.url] != "ready" and sum(v == "ready" for v in ready.values()) == 2

@@ -162,6 +162,36 @@ async def test_queued_prefill_and_other_gateways_requests_count_as_load(index_ur
     await index.close()
 
 
+def test_utilization_follows_the_engines_busy_seconds():
+    r = replica("a")
+    r.observe_busy(100.0, now=10.0)
+    assert r.utilization == 0.0  # one sample is no rate
+    r.observe_busy(101.0, now=11.0)  # busy the whole second
+    assert r.utilization == pytest.approx(router_module.UTILIZATION_EWMA_WEIGHT)
+    for t in range(12, 40):
+        r.observe_busy(101.0 + (t - 11) * 0.5, now=float(t))  # half busy from now on
+    assert r.utilization == pytest.approx(0.5, abs=1e-3)
+    r.observe_busy(3.0, now=41.0)  # the engine restarted: its counter went back, no sample
+    assert r.utilization == pytest.approx(0.5, abs=1e-3) and r.busy_sample == (3.0, 41.0)
+    assert router_module.expected_queue(0.5) == 1.0 and router_module.expected_queue(1.0) == pytest.approx(19.0)
+
+
+async def test_a_busy_replica_sheds_new_work_though_its_queue_is_empty(index_url):
+    """Between the turns of its conversations a busy replica has nothing queued; its utilization
+    still says that work will come back there."""
+    index = await live_index(index_url, {"e0": block_hashes(PROMPT, BLOCK)[:3], "e1": []})
+    router = await started_router(index_url, load_bound_tokens=100)
+    busy, idle = replica("a", "e0"), replica("b")
+    assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy  # mean uncached: 52
+    busy.utilization = 0.5  # one request ahead, expected: within the bound
+    assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy
+    busy.utilization = 0.8  # four: 208 tokens, past it
+    decision = await router.choose(RouteRequest(PROMPT, None), [busy, idle])
+    assert (decision.replica, decision.reason) == (idle, "load_override")
+    await router.close()
+    await index.close()
+
+
 class FlakyIndex(PrefixIndex):
     """Lookups fail (``down``), hang (``slow``) or answer that nothing is cached."""
 
@@ -293,10 +323,11 @@ class Engines:
 
     def __init__(self, hosts: str):
         self.stats: dict[str, object] = {h: {**STATS, "replica_id": f"id-{h}"} for h in hosts}
-        self.generate: dict[str, str] = dict.fromkeys(hosts, "ok")  # ok | refuse | reset_first | reset_later
+        # ok | refuse | reset_first | reset_later | hang_head | hang_first | hang_later (hang: never answer more)
+        self.generate: dict[str, str] = dict.fromkeys(hosts, "ok")
         self.calls: list[str] = []
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
+    async def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         if request.url.path == "/stats":
             answer = self.stats[host]
@@ -309,15 +340,21 @@ class Engines:
         mode = self.generate[host]
         if mode == "refuse":
             raise httpx.ConnectError("connection refused")
+        if mode == "hang_head":
+            await asyncio.Event().wait()
         frames = [OutputFrame("r", 0, [5]).pack(), OutputFrame("r", 0, [6], finish_reason="length").pack()]
 
         class Body(httpx.AsyncByteStream):
             async def __aiter__(self):
                 if mode == "reset_first":
                     raise httpx.ReadError("connection reset")
+                if mode == "hang_first":
+                    await asyncio.Event().wait()
                 yield frames[0]
                 if mode == "reset_later":
                     raise httpx.ReadError("connection reset")
+                if mode == "hang_later":
+                    await asyncio.Event().wait()
                 yield frames[1]
 
         return httpx.Response(200, stream=Body())
@@ -425,6 +462,20 @@ async def test_load_is_counted_until_the_first_frame_and_released_on_close():
     await transport.aclose()
 
 
+async def test_polls_measure_utilization():
+    engines = Engines("a")
+    engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 0.0}
+    pool, transport = await ready_pool(engines)
+    (a,) = pool.replicas
+    assert a.utilization == 0.0
+    engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 100.0}  # busy since: at most 1
+    await pool.poll()
+    assert a.utilization == pytest.approx(router_module.UTILIZATION_EWMA_WEIGHT)
+    pool.export_metrics()
+    assert sample(pool.metrics.replica_utilization) == a.utilization
+    await transport.aclose()
+
+
 async def test_polls_open_the_breaker_then_probe_it_closed():
     clock = Clock()
     engines = Engines("ab")
@@ -447,4 +498,79 @@ async def test_polls_open_the_breaker_then_probe_it_closed():
         await pool.poll()  # the probe
     assert a.ready and a.breaker.closed and a.error is None
     assert [x["event"] for x in logs] == ["replica_ready"]
+    await transport.aclose()
+
+
+async def finished(task: asyncio.Future, timeout: float = 5.0) -> asyncio.Future:
+    """``task`` once done; fails after ``timeout`` without cancelling it (a cancellation would end it)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    assert task in done, f"still running after {timeout} s"
+    return task
+
+
+async def hang_up(pool: EnginePool, engines: Engines, host: str) -> None:
+    """``host`` stops answering its health checks until its breaker opens."""
+    engines.stats[host] = httpx.ReadTimeout("timed out")
+    for _ in range(CircuitBreaker().failure_threshold):
+        await pool.poll()
+
+
+@pytest.mark.parametrize("mode", ["hang_head", "hang_first"])
+async def test_a_request_waiting_on_a_hung_replica_moves_on_when_it_is_taken_out(mode):
+    engines = Engines("ab")
+    engines.generate["a"] = mode
+    pool, transport = await ready_pool(engines)
+    a, b = pool.replicas
+
+    async def tokens() -> list[list[int]]:
+        stream = await pool.open(REQUEST)
+        try:
+            return [f.token_ids async for f in stream.frames()]
+        finally:
+            await stream.aclose()
+
+    task = asyncio.create_task(tokens())
+    await asyncio.sleep(0.05)
+    assert not task.done() and a.in_flight == 1  # waits on a: nothing times it out by itself
+    with capture_logs() as logs:
+        await hang_up(pool, engines, "a")
+    assert (await finished(task)).result() == [[5], [6]]
+    assert engines.calls == ["a", "b"] and not a.ready and (a.in_flight, b.in_flight) == (0, 0)
+    assert not a.streams and not b.streams
+    interrupted = [x for x in logs if x["event"] == "replica_requests_interrupted"]
+    assert interrupted == [{"event": "replica_requests_interrupted", "replica": "http://a:1", "requests": 1,
+                            "log_level": "warning"}]
+    await transport.aclose()
+
+
+async def test_a_stream_hung_after_its_first_frame_fails_when_its_replica_is_taken_out():
+    engines = Engines("ab")
+    engines.generate["a"] = "hang_later"
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    frames = stream.frames()
+    assert (await anext(frames)).token_ids == [5]
+    pending = asyncio.ensure_future(anext(frames))
+    await asyncio.sleep(0.05)
+    await hang_up(pool, engines, "a")
+    with pytest.raises(EngineFailed, match="engine http://a:1 was taken out of service: .*ReadTimeout"):
+        (await finished(pending)).result()
+    assert engines.calls == ["a"]  # the client saw a token: no retry
+    await stream.aclose()
+    assert pool.replicas[0].in_flight == 0 and not pool.replicas[0].streams
+    await transport.aclose()
+
+
+async def test_cancelling_a_request_on_a_hung_replica_is_still_a_cancellation():
+    engines = Engines("a")
+    engines.generate["a"] = "hang_first"
+    pool, transport = await ready_pool(engines)
+    stream = await pool.open(REQUEST)
+    task = asyncio.ensure_future(anext(stream.frames()))
+    await asyncio.sleep(0.05)
+    task.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.aclose()
+    assert pool.replicas[0].in_flight == 0 and pool.replicas[0].ready
     await transport.aclose()
