@@ -43,6 +43,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                    help="kernel op set: triton kernels or the torch reference ops; auto = triton on "
                         "CUDA, torch on the CPU (default: auto)")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's, one per core); give each of several "
+                        "CPU engines on one host its share of the cores")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling (default: 0)")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of the JSON logs on stderr (default: INFO)")
@@ -105,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.logs import configure_logging
 
     configure_logging(args.log_level)
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            print(f"error: --cpu-threads must be at least 1, got {args.cpu_threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     try:
         config = engine_config(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -88,6 +88,13 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
         bos_token_id=1, eos_token_ids=(2,),
     ),
+    # CPU load tests: small enough for four replicas on two cores, big enough that a step's cost grows
+    # with its tokens (prefill ~4K tok/s on one thread) as a real model's does, unlike "tiny"'s overhead
+    "mini": ModelConfig(
+        name="mini", vocab_size=49152, hidden_size=256, intermediate_size=768, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=16384,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
     "smollm2-135m": ModelConfig(
         name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,

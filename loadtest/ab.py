@@ -18,6 +18,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import shlex
 import shutil
 import signal
@@ -83,9 +84,11 @@ def services() -> Iterator[list[Service]]:
             service.stop()
 
 
-def launch(started: list[Service], name: str, argv: Sequence[str], log_path: Path, url: str) -> Service:
+def launch(started: list[Service], name: str, argv: Sequence[str], log_path: Path, url: str,
+           env: dict[str, str] | None = None) -> Service:
     with log_path.open("w") as log:
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=None if env is None else os.environ | env)
     service = Service(name, url, proc, log_path)
     started.append(service)
     return service
@@ -189,17 +192,29 @@ def start_redis(started: list[Service], out: Path) -> str:
             client.close()
 
 
+def engine_threads(args: argparse.Namespace) -> int | None:
+    """CPU threads per engine: each engine gets its share of the cores, unless --engine-args says."""
+    if args.devices or "--cpu-threads" in shlex.split(args.engine_args):
+        return None
+    return max(1, (os.cpu_count() or 1) // args.engines)
+
+
 def start_engines(started: list[Service], args: argparse.Namespace, model: str, redis_url: str,
                   out: Path) -> list[Service]:
     engines = []
+    threads = engine_threads(args)
     for i in range(args.engines):
         port = free_port()
         argv = [sys.executable, "-m", "engine", "serve", "--host", HOST, "--port", str(port), "--model", model,
                 "--load-format", args.load_format, "--replica-id", f"engine-{i}", "--index-url", redis_url]
         if args.devices:
             argv += ["--device", args.devices[i % len(args.devices)]]
+        if threads is not None:
+            argv += ["--cpu-threads", str(threads)]
         argv += shlex.split(args.engine_args)
-        engines.append(launch(started, f"engine-{i}", argv, out / f"engine-{i}.log", f"http://{HOST}:{port}"))
+        # engines share the host's cores: idle OpenMP threads must sleep, not spin
+        engines.append(launch(started, f"engine-{i}", argv, out / f"engine-{i}.log", f"http://{HOST}:{port}",
+                              env={"OMP_WAIT_POLICY": "PASSIVE"}))
     wait_http(engines, "/health", args.startup_timeout)
     return engines
 
@@ -244,6 +259,7 @@ def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Seq
             "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
             "--stop-timeout", str(args.stop_timeout), "-H", gateways[0].url,
             "--gateways", ",".join(g.url for g in gateways), "--think-time", str(args.think_time),
+            "--conversation-gap", str(args.conversation_gap),
             "--records-csv", str(out / "requests.csv"), "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
             *workload.to_argv(), *args.user_classes]
     limit_s = args.duration + args.stop_timeout + 120
@@ -310,8 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds Locust lets requests in flight finish after --duration (default: %(default)s)")
     parser.add_argument("--user-classes", type=lambda s: [c for c in s.split(",") if c], default=["AgentUser"],
                         help=f"comma-separated Locust classes among {', '.join(USER_CLASSES)} (default: AgentUser)")
-    parser.add_argument("--think-time", type=float, default=0.0, help="seconds between a user's requests")
-    parser.add_argument("--model", default="tiny",
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="mean seconds a user waits between requests, exponentially distributed and seeded "
+                             "per user (an agent's tool calls; 0 = none, a closed loop)")
+    parser.add_argument("--conversation-gap", type=float, default=0.0,
+                        help="AgentUser: mean seconds before each conversation, exponentially distributed and seeded "
+                             "per user; long gaps make conversation arrivals an open stream, the same for every "
+                             "policy (0 = back to back: a closed loop, where a faster policy gets more work)")
+    parser.add_argument("--model", default="mini",
                         help="engine --model: a dummy shape name, GGUF file or HF directory (default: %(default)s)")
     parser.add_argument("--load-format", default="dummy", choices=("auto", "gguf", "hf", "dummy"),
                         help="engine --load-format (default: %(default)s)")
@@ -353,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             model = engine_model(args.model, args.load_format, workload.max_request_tokens(), args.out)
             run = {"policies": policies, "engines": args.engines, "gateways": args.gateways, "users": args.users,
                    "duration_s": args.duration, "user_classes": args.user_classes, "think_time_s": args.think_time,
+                   "conversation_gap_s": args.conversation_gap,
                    "model": args.model, "load_format": args.load_format, "engine_args": args.engine_args,
+                   "engine_cpu_threads": engine_threads(args),
                    "tokenizer": tokenizer, "workload": workload.to_json()}
             for policy in policies:
                 with redis.Redis.from_url(redis_url) as client:

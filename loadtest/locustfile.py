@@ -49,7 +49,14 @@ def _add_arguments(parser) -> None:
     parser.add_argument("--records-csv", default="", help="write one CSV row per request here")
     parser.add_argument("--gateways", default="",
                         help="comma-separated gateway base URLs; user i talks to gateway i mod M (default: --host)")
-    parser.add_argument("--think-time", type=float, default=0.0, help="seconds a user waits between requests")
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="mean seconds a user waits between requests, exponentially distributed and seeded "
+                             "per user (0 = none)")
+    parser.add_argument("--conversation-gap", type=float, default=0.0,
+                        help="AgentUser: mean seconds before each conversation (the first one too), exponentially "
+                             "distributed and seeded per user: conversations arrive at about users / (gap + "
+                             "conversation time) per second, close to a Poisson stream when the gap is long "
+                             "(0 = back to back, a closed loop)")
 
 
 @events.init.add_listener
@@ -84,11 +91,11 @@ class KvgateUser(User):
         if not gateways and not self.host:
             raise ValueError("give the gateway URL with --host or --gateways")
         self.base_url = gateways[self.number % len(gateways)] if gateways else self.host.rstrip("/")
-        self.think_time = options.think_time
+        self.think_times = self.workload.pauses("think", self.number, options.think_time)
         self.session = requests.Session()
 
     def wait_time(self) -> float:
-        return self.think_time
+        return next(self.think_times)
 
     def on_stop(self) -> None:
         self.session.close()
@@ -190,11 +197,19 @@ class AgentUser(KvgateUser):
 
     def on_start(self) -> None:
         self._conversations = self.items()
+        self._gaps = self.workload.pauses("conversation", self.number, self.environment.parsed_options.conversation_gap)
         self._start_conversation()
+        time.sleep(next(self._gaps))  # gevent's: only this user waits; later gaps come from wait_time
 
     def _start_conversation(self) -> None:
         self.conversation = self.workload.conversation(AGENT, next(self._conversations))
         self.turn = 0
+
+    def wait_time(self) -> float:
+        pause = super().wait_time()
+        if self.turn == len(self.conversation.turns):  # the next task starts a conversation
+            pause += next(self._gaps)
+        return pause
 
     @task
     def next_turn(self) -> None:

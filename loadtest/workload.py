@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -207,6 +208,12 @@ class Workload:
     def _system_prompt(self, k: int) -> str:
         rng = self._rng("system", k)
         return words(rng, self.config.system_tokens.draw(rng))
+
+    def pauses(self, what: str, user: int, mean_s: float) -> Iterator[float]:
+        """User ``user``'s pauses of kind ``what``: exponential with mean ``mean_s`` (0: none), seeded."""
+        rng = self._rng("pause", what, user)
+        while True:
+            yield rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
 
     def agent(self, index: int) -> Conversation:
         """Agent conversation ``index``: one of the K system prompts, then ``turns`` turns."""
