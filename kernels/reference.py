@@ -43,12 +43,16 @@ def paged_attention(
     scale: float,
     seq_lens_cpu: list[int] | None = None,
     query_start_loc_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], as stored by store_kv
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Covers decode (one new token), chunked prefill (many new tokens after a cached prefix) and
     mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype.
-    The ``*_cpu`` lists are optional host copies that spare a device sync.
+    The ``*_cpu`` lists are optional host copies that spare a device sync. ``key``/``value``
+    are this step's new K/V rows, already in the cache: the Triton kernel reads the new chunks
+    from them; here the cache, holding the same values, serves.
     """
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.reference import rope_cos_sin_cache
 
@@ -187,7 +188,19 @@ def store_kv(
 
 # --------------------------------------------------------------------------------------------
 # paged_attention: a decode kernel (one query token, split-K + reduce) and a prefill/extend
-# kernel (a tile of query rows, causal inside the new chunk), sharing one tile step.
+# kernel (a tile of query rows, causal inside the new chunk), sharing the paged tile step.
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i, scale_log2):
+    """Online-softmax update for raw scores ``s`` (hidden keys at -inf): the probabilities
+    (base 2, scaled by the new row maxima), the factor that rescales the old accumulator, and
+    the new maxima and sums. The scale is folded into one FMA per score (it is positive)."""
+    # Every row sees at least one key of its first tile, so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -195,29 +208,56 @@ def _attend_tile(
     q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
     k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1`` (< ``kv_end``),
-    gathered through the block table; with ``CAUSAL`` a row sees only keys ``<= q_pos``."""
+    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
+    through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
+    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``)."""
     tok = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
     tok_ok = tok < kv_end
-    block = tl.load(block_table_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    if MASK == "none":
+        block = tl.load(block_table_row + tok // BLOCK_SIZE)
+    else:
+        block = tl.load(block_table_row + tok // BLOCK_SIZE, mask=tok_ok, other=0)
+    block = block.to(tl.int64)
     kv_offsets = block * cache_stride_b + (tok % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
     kv_ptrs = kv_offsets[:, None] + d[None, :]
-    kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
+    # V is loaded with K, before the dot: fewer live registers than loading it after the softmax.
+    if MASK == "none" and HEAD_DIM == DIM_PAD:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+        v = tl.load(v_cache_ptr + kv_ptrs)
+    else:
+        kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    if MASK == "end":
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+    elif MASK == "causal":
         s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
-    # Every row sees at least one key of its first tile, so m_new is finite from then on.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_new_tile(
+    q, acc, m_i, l_i, rows, tile_start, key_desc, value_desc, first_token, head_col, scale_log2,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the new chunk's keys ``tile_start … tile_start + BLOCK_N - 1``
+    (chunk coordinates), read by TMA from the step's key/value rows; with ``CAUSAL`` row ``i``
+    of the chunk sees keys ``<= i``, which also hides the rows past the chunk (the next
+    sequence's, or TMA's zero fill past the last token)."""
+    k = key_desc.load([first_token + tile_start, head_col])
+    v = value_desc.load([first_token + tile_start, head_col])
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    if CAUSAL:
+        s = tl.where(tile_start + tl.arange(0, BLOCK_N)[None, :] <= rows[:, None], s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -272,7 +312,7 @@ def _decode_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, tile_start, end, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
-            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "causal", DOT_DTYPE, DOT_PRECISION,
         )
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -324,15 +364,18 @@ def _decode_reduce_kernel(
 @triton.jit(do_not_specialize=["block_tables_stride"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    key_desc, value_desc, scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_Q_LEN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (head, query tile, seq): BLOCK_M new tokens of one sequence against its paged
-    prefix and, causally, its new chunk. Sequences with fewer than MIN_Q_LEN new tokens exit
-    (the decode kernel takes single-token ones in mixed batches)."""
+    prefix and, causally, its new chunk: read by TMA from ``key_desc``/``value_desc`` (the
+    step's new K/V rows, when given), else through the block table like the prefix. Sequences
+    with fewer than MIN_Q_LEN new tokens exit (the decode kernel takes single-token ones in
+    mixed batches)."""
+    # Heads of one kv head run side by side, so their K/V tiles are read from L2.
     head = tl.program_id(0)
     # Later query tiles see more keys: start them first.
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -357,21 +400,45 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
 
-    # Keys before the tile's first query position are visible to all its rows: no causal mask.
-    unmasked_end = (prefix_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    causal_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
-    for tile_start in range(0, unmasked_end, BLOCK_N):
+    # Keys that exist and that every row of the tile sees, in whole tiles: no mask. Without the
+    # new rows these run on into the chunk, up to the tile's first query position.
+    if key_desc is not None:
+        paged_end = prefix_len // BLOCK_N * BLOCK_N
+    else:
+        paged_end = (prefix_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    for tile_start in range(0, paged_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, tile_start, seq_len, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
-            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "none", DOT_DTYPE, DOT_PRECISION,
         )
-    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, q_pos, tile_start, causal_end, kv_head, block_table_row,
-            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
-            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
-        )
+    if key_desc is not None:
+        if paged_end < prefix_len:  # the prefix's last, partial tile
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, q_pos, paged_end, prefix_len, kv_head, block_table_row,
+                k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+                HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end", DOT_DTYPE, DOT_PRECISION,
+            )
+        head_col = kv_head * HEAD_DIM
+        unmasked_end = q_tile * BLOCK_M // BLOCK_N * BLOCK_N
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _attend_new_tile(
+                q, acc, m_i, l_i, rows, tile_start, key_desc, value_desc, q_start, head_col, scale_log2,
+                BLOCK_N, False, DOT_DTYPE, DOT_PRECISION,
+            )
+        for tile_start in range(unmasked_end, tl.minimum(q_len, (q_tile + 1) * BLOCK_M), BLOCK_N):
+            acc, m_i, l_i = _attend_new_tile(
+                q, acc, m_i, l_i, rows, tile_start, key_desc, value_desc, q_start, head_col, scale_log2,
+                BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+            )
+    else:
+        causal_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+        for tile_start in range(paged_end, causal_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, q_pos, tile_start, causal_end, kv_head, block_table_row,
+                k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+                HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "causal", DOT_DTYPE, DOT_PRECISION,
+            )
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -398,7 +465,11 @@ def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> Attenti
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim_pad > 128:
         return AttentionTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    return AttentionTiles(block_m=128, block_n=64, num_warps=4 if head_dim_pad <= 64 else 8, num_stages=3)
+    if head_dim_pad <= 64:
+        return AttentionTiles(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    # Fastest on the H200 of BLOCK_M 64/128 x BLOCK_N 64/128 x 2-5 stages, through the block
+    # table and by TMA; three stages of 128-key K/V tiles fill 225 of sm_90's 227 KB of shared memory.
+    return AttentionTiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
@@ -411,6 +482,32 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
 
 
+def _new_rows_descriptors(
+    key: torch.Tensor | None, value: torch.Tensor | None, block_n: int, head_dim_pad: int
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors of ``key`` and ``value`` as 2-d ``[num_tokens, num_kv_heads * head_dim]``
+    row tables with ``[block_n, head_dim]`` boxes, or ``(None, None)`` (the kernel then reads the
+    cache) where TMA cannot address them: head_dim not a power of two (the box would take in
+    the next head), heads not packed in a row, or rows not 16-byte aligned."""
+    if key is None or value is None:
+        return None, None
+    descriptors = []
+    for t in (key, value):
+        num_tokens, num_kv_heads, head_dim = t.shape
+        if (
+            head_dim != head_dim_pad
+            or (num_kv_heads > 1 and t.stride(1) != head_dim)
+            or t.data_ptr() % 16
+            or t.stride(0) * t.element_size() % 16
+        ):
+            return None, None
+        descriptors.append(TensorDescriptor(
+            t, shape=[num_tokens, num_kv_heads * head_dim], strides=[t.stride(0), 1],
+            block_shape=[block_n, head_dim],
+        ))
+    return descriptors[0], descriptors[1]
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,
@@ -421,12 +518,18 @@ def paged_attention(
     scale: float,
     seq_lens_cpu: list[int] | None = None,
     query_start_loc_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], as stored by store_kv
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context, as the
     reference. Single-token sequences go to the split-K decode kernel, longer ones to the
     prefill kernel (both launch for a mixed batch). Without ``query_start_loc_cpu`` the query
     lengths are read back from the device (a sync: pass it under CUDA graph capture).
     A sequence with ``seq_lens[i] == 0`` and one query token (a padding row) gets zeros.
+
+    ``key``/``value``, optional, are this step's new K/V rows, already written to the cache:
+    the prefill kernel then reads each chunk's own keys from them by TMA (no block-table
+    lookups) where their layout allows it (see ``_new_rows_descriptors``), else from the cache.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_kv_cache(k_cache, v_cache)
@@ -453,9 +556,19 @@ def paged_attention(
     _check_last_dim_contiguous("block_tables", block_tables)
     _check(seq_lens.is_contiguous(), "seq_lens must be contiguous")
     _check(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
+    _check(scale > 0, f"scale must be positive, got {scale}")
+    _check((key is None) == (value is None), "key and value must be given together")
+    new_rows = {}
+    if key is not None:
+        kv_shape = (num_tokens, num_kv_heads, head_dim)
+        for name, t in (("key", key), ("value", value)):
+            _check_tensor(name, t, 3, (k_cache.dtype,))
+            _check(tuple(t.shape) == kv_shape, f"{name} must have shape {kv_shape}, got {tuple(t.shape)}")
+            _check_last_dim_contiguous(name, t)
+        new_rows = dict(key=key, value=value)
     _check_devices(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
+        query_start_loc=query_start_loc, **new_rows,
     )
     capacity = block_tables.shape[1] * block_size
     if seq_lens_cpu is not None:
@@ -520,8 +633,9 @@ def paged_attention(
             )
     if max_q_len > 1:
         tiles = attention_tiles("prefill", head_dim_pad, q.dtype)
+        key_desc, value_desc = _new_rows_descriptors(key, value, tiles.block_n, head_dim_pad)
         _prefill_attention_kernel[(num_heads, triton.cdiv(max_q_len, tiles.block_m), num_seqs)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, key_desc, value_desc,
             scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_args,
             GROUP=group, HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=2 if has_decode else 1, **dot,

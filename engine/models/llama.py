@@ -84,13 +84,12 @@ class LlamaAttention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             cos_sin_cache,
         )
-        self.ops.store_kv(
-            k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-            attn.slot_mapping,
-        )
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        # the new chunks' keys and values are read from k and v (contiguous rows), the prefix from pages
         out = self.ops.paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-            self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu,
+            self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu, key=k, value=v,
         )
         return self.o_proj(out.view(num_tokens, self.q_size))
 

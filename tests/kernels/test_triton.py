@@ -89,12 +89,30 @@ class Batch:
     query_start_loc_cpu: list[int]
     scale: float
 
-    def run(self, paged_attention, with_cpu_lists: bool = True) -> torch.Tensor:
+    def run(self, paged_attention, with_cpu_lists: bool = True, with_new_rows: bool = False) -> torch.Tensor:
         lists = (self.seq_lens_cpu, self.query_start_loc_cpu) if with_cpu_lists else (None, None)
+        key, value = self.new_rows() if with_new_rows else (None, None)
         return paged_attention(
             self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-            self.query_start_loc, self.scale, *lists,
+            self.query_start_loc, self.scale, *lists, key=key, value=value,
         )
+
+    def new_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V read back from the cache, as the model hands them to store_kv:
+        key contiguous, value a strided view of a fused projection; rows past the batch zero."""
+        num_tokens, _, head_dim = self.q.shape
+        _, block_size, num_kv_heads, _ = self.k_cache.shape
+        fused = torch.zeros(
+            (num_tokens, 2, num_kv_heads, head_dim), dtype=self.k_cache.dtype, device=self.q.device
+        )
+        starts = self.query_start_loc_cpu
+        for i, context_len in enumerate(self.seq_lens_cpu):
+            q_len = starts[i + 1] - starts[i]
+            positions = torch.arange(context_len - q_len, context_len, device=self.q.device)
+            blocks = self.block_tables[i].long()[positions // block_size]
+            fused[starts[i] : starts[i + 1], 0] = self.k_cache[blocks, positions % block_size]
+            fused[starts[i] : starts[i + 1], 1] = self.v_cache[blocks, positions % block_size]
+        return fused[:, 0].contiguous(), fused[:, 1]
 
     def reference_fp32(self) -> torch.Tensor:
         """The reference on the same (rounded) inputs, computed in fp32."""
@@ -148,8 +166,10 @@ def make_batch(
     )
 
 
-def check_attention(paged_attention, batch: Batch, rtol: float, with_cpu_lists: bool = True) -> None:
-    out = batch.run(paged_attention, with_cpu_lists)
+def check_attention(
+    paged_attention, batch: Batch, rtol: float, with_cpu_lists: bool = True, with_new_rows: bool = False
+) -> None:
+    out = batch.run(paged_attention, with_cpu_lists, with_new_rows)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     # Only rows that belong to a sequence are defined (as in the reference).
     rows = batch.query_start_loc_cpu[-1]
@@ -200,6 +220,18 @@ def test_mixed_attention(ops, group, block_size):
     check_attention(ops.paged_attention, batch, ULP[torch.float32])
 
 
+@pytest.mark.parametrize("group, block_size", GQA_BLOCKS)
+def test_prefill_attention_reads_new_rows(ops, group, block_size):
+    """The chunks' own keys come from key/value (by TMA on the GPU), the prefixes from the cache."""
+    contexts, queries = zip(*MIXED)
+    batch = make_batch(
+        list(contexts), list(queries), num_kv_heads=kv_heads_for(group), group=group, block_size=block_size
+    )
+    key, value = batch.new_rows()
+    assert ops._new_rows_descriptors(key, value, 32, 32)[0] is not None
+    check_attention(ops.paged_attention, batch, ULP[torch.float32], with_new_rows=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", [[(17, 1), (99, 1)], MIXED[:4]], ids=["decode", "mixed"])
 def test_attention_half_precision(ops, layout, dtype):
@@ -208,10 +240,13 @@ def test_attention_half_precision(ops, layout, dtype):
     check_attention(ops.paged_attention, batch, ULP[dtype])
 
 
-def test_attention_padded_head_dim(ops):
+@pytest.mark.parametrize("with_new_rows", [False, True], ids=["cache", "new-rows-ignored"])
+def test_attention_padded_head_dim(ops, with_new_rows):
     contexts, queries = zip(*MIXED)
     batch = make_batch(list(contexts), list(queries), num_kv_heads=1, group=3, head_dim=24, seed=3)
-    check_attention(ops.paged_attention, batch, ULP[torch.float32])
+    # TMA boxes are powers of two: a padded head would take in its neighbour, so the cache serves.
+    assert ops._new_rows_descriptors(*batch.new_rows(), 32, 32) == (None, None)
+    check_attention(ops.paged_attention, batch, ULP[torch.float32], with_new_rows=with_new_rows)
 
 
 def test_attention_without_cpu_lists(ops):
@@ -243,6 +278,13 @@ def test_attention_rejects_bad_inputs(ops):
         ops.paged_attention(batch.q, batch.k_cache, batch.v_cache[:-1], *args[2:])
     with pytest.raises(ValueError, match="exceeds the block table's capacity of 16"):
         ops.paged_attention(batch.q, *args, seq_lens_cpu=[5, 17], query_start_loc_cpu=[0, 1, 2])
+    key, value = batch.new_rows()
+    with pytest.raises(ValueError, match="key and value must be given together"):
+        ops.paged_attention(batch.q, *args, key=key)
+    with pytest.raises(ValueError, match="value must have dtype"):
+        ops.paged_attention(batch.q, *args, key=key, value=value.double())
+    with pytest.raises(ValueError, match=r"key must have shape \(2, 2, 32\)"):
+        ops.paged_attention(batch.q, *args, key=key[:1], value=value)
 
 
 def test_compiled_kernels_reject_cpu_tensors(ops, monkeypatch):
@@ -404,17 +446,18 @@ GPU_CONFIGS = [
 
 @gpu
 @pytest.mark.parametrize("group, block_size, head_dim, dtype", GPU_CONFIGS)
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "mixed-new-rows"])
 def test_gpu_attention_batch(kind, group, block_size, head_dim, dtype):
     contexts = random_contexts(64, 1, 4096, seed=block_size + group)
     queries = [1] * 64
-    if kind == "mixed":  # a fresh prompt, a chunk over a cached prefix, an idle row, decodes
+    if kind != "decode":  # a fresh prompt, a chunk over a cached prefix, an idle row, decodes
         contexts[:3], queries[:3] = [1000, 6144, 77], [1000, 2048, 0]
     batch = make_batch(
         contexts, queries, num_kv_heads=8, group=group, head_dim=head_dim,
         block_size=block_size, dtype=dtype, device="cuda",
     )
-    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[dtype])
+    with_new_rows = kind == "mixed-new-rows"
+    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[dtype], with_new_rows=with_new_rows)
 
 
 @gpu
@@ -431,12 +474,15 @@ def test_gpu_attention_long_context_split_k(dtype, block_size, extra_table_block
 
 @gpu
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_gpu_attention_long_prefill(block_size):
+@pytest.mark.parametrize("with_new_rows", [False, True], ids=["cache", "new-rows"])
+def test_gpu_attention_long_prefill(block_size, with_new_rows):
     batch = make_batch(
         [8192, 12000], [8192, 1500], num_kv_heads=8, group=4, head_dim=128, block_size=block_size,
         dtype=torch.bfloat16, device="cuda",
     )
-    check_attention(triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[torch.bfloat16])
+    check_attention(
+        triton_ops.paged_attention, batch, GPU_ATTENTION_TOL[torch.bfloat16], with_new_rows=with_new_rows
+    )
 
 
 @gpu
@@ -446,6 +492,7 @@ def test_gpu_attention_no_recompile_for_new_lengths(monkeypatch):
             contexts, queries, num_kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, device="cuda"
         )
         batch.run(triton_ops.paged_attention)
+        batch.run(triton_ops.paged_attention, with_new_rows=True)
 
     launch([100, 2000], [1, 1])
     launch([300, 5000], [300, 1])
