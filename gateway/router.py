@@ -6,10 +6,10 @@ Policies (``--routing``):
   the work queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
   block hashes) and the cached tokens it would recompute, among the replicas whose queue is within
   ``--prefix-load-bound`` tokens of the shortest one. Without an answer from the index it routes on
-  the queues alone. The queue is the larger of what is known to wait there (this gateway's
-  requests before their first token, other gateways' requests from the engine's /stats) and what
-  the replica's utilization predicts (:func:`expected_queue`): between the turns of its
-  conversations a busy replica's queue is empty, yet their next turns are bound to come back.
+  the queues alone. The queue known to wait there (this gateway's requests before their first
+  token, other gateways' requests from the engine's /stats) sets the bound; the score takes the
+  larger of it and what the replica's utilization predicts (:func:`expected_queue`): between the
+  turns of its conversations a busy replica's queue is empty, yet their next turns will come back.
 - ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
 - ``round-robin``: in turn.
 
@@ -167,26 +167,30 @@ class Candidate(NamedTuple):
 
     cached_tokens: int  # predicted reusable prompt tokens there
     uncached_tokens: int  # the prompt tokens it would compute
-    load_tokens: int  # prefill work already queued there
+    load_tokens: int  # prefill work known to be queued there
     requests: int  # requests on it (the tie-breaker: decoding requests queue no prefill)
+    expected_load_tokens: int = 0  # the queue its utilization predicts (see expected_queue)
 
 
 def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
     """Index of the replica to use and the reason.
 
-    The predicted work of a replica is what the request waits for there (its queue, then its own
-    uncached tokens) plus what choosing it wastes: the tokens it recomputes that the best-cached
-    replica holds. Least work wins (then fewest requests, then the first listed) among the replicas
-    whose queue exceeds the shortest one by at most ``load_bound`` tokens: the bound caps what
-    affinity may cost. Counting the waste keeps requests that share a prefix together: a second
-    identical request waits for the first's prefill rather than computing it again elsewhere.
+    The predicted work of a replica is what the request waits for there (its queue: the larger of
+    the known and the expected one, then its own uncached tokens) plus what choosing it wastes: the
+    tokens it recomputes that the best-cached replica holds. Least work wins (then fewest
+    requests, then the first listed) among the replicas whose known queue exceeds the shortest one
+    by at most ``load_bound`` tokens: the bound caps what affinity may cost. Counting the waste keeps
+    requests that share a prefix together: a second identical request waits for the first's prefill
+    rather than computing it again elsewhere, and a late turn of a conversation stays on its busy
+    replica, while a new conversation, which would waste only its system prompt, goes to an idler one.
     """
     most_cached = max(c.cached_tokens for c in candidates)
     min_load = min(c.load_tokens for c in candidates)
 
     def work(i: int) -> tuple[int, int, int]:
         c = candidates[i]
-        return c.load_tokens + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, i
+        queue = max(c.load_tokens, c.expected_load_tokens)
+        return queue + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, i
 
     best = min((i for i, c in enumerate(candidates) if c.load_tokens <= min_load + load_bound), key=work)
     if most_cached == 0:
@@ -266,9 +270,9 @@ class PrefixRouter(Router):
         for r in rotated:
             blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
             cached = min(blocks * self._block_size, num_tokens - 1)  # one token is always computed
-            known = r.pending_prefill_tokens + r.other_requests * self._mean_uncached
-            load = round(max(known, expected_queue(r.utilization) * self._mean_uncached))
-            scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests))
+            load = r.pending_prefill_tokens + round(r.other_requests * self._mean_uncached)
+            expected = round(expected_queue(r.utilization) * self._mean_uncached)
+            scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests, expected))
         best, reason = pick(scored, self._settings.load_bound_tokens)
         chosen, score = rotated[best], scored[best]
         weight = LOAD_EWMA_WEIGHT if self._seen_requests else 1.0

@@ -79,7 +79,8 @@ def load_model(
         load_format = _detect_format(model)
     device = torch.device(device)
     log.info("model_load_start", model=model, load_format=load_format, device=str(device),
-             dtype=str(dtype).removeprefix("torch."))
+             dtype=str(dtype).removeprefix("torch."),
+             **({"cpu_threads": torch.get_num_threads()} if device.type == "cpu" else {}))
     if load_format == "gguf":
         net, config = _load_gguf(Path(model), device, dtype, ops)
     elif load_format == "hf":

@@ -52,6 +52,10 @@ STATS = {"model": MODEL, "block_size": BLOCK, "max_model_len": 1024, "vocab_size
     # nothing cached anywhere: the shortest queue, then the fewest requests, then the first listed
     ([Candidate(0, 100, 50, 0), Candidate(0, 100, 10, 3), Candidate(0, 100, 10, 1)], 4096, (2, "prefix_miss")),
     ([Candidate(0, 100, 0, 2), Candidate(0, 100, 0, 2)], 4096, (0, "prefix_miss")),
+    # a busy replica (expected queue 9000) keeps a late turn, whose 7000 cached tokens would be
+    # recomputed elsewhere, but a new conversation, which would recompute only its system prompt, moves
+    ([Candidate(7000, 500, 0, 1, 9000), Candidate(0, 7500, 0, 0)], 4096, (0, "prefix_hit")),
+    ([Candidate(2000, 800, 0, 1, 9000), Candidate(0, 2800, 0, 0)], 4096, (1, "load_override")),
     # bound 0: only the least loaded replicas qualify; among them, cache still counts
     ([Candidate(90, 10, 5, 0), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 0, (1, "load_override")),
 ])

@@ -1,0 +1,48 @@
+"""``python -m engine generate`` as users run it: a process, JSONL on stdin, JSONL on stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.protocol import GenerateRequest, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = ["--model", "tiny", "--load-format", "dummy", "--device", "cpu", "--num-kv-blocks", "64", "--cpu-threads", "1"]
+
+
+def generate(lines: list[str], *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", "generate", *flags], input="\n".join(lines) + "\n",
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_generate_answers_each_line_in_order_and_bad_lines_alone():
+    prompt = list(range(300, 340))
+    lines = [
+        json.dumps({"prompt_ids": prompt, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}),
+        "not json",
+        json.dumps({"prompt_ids": prompt, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "n": 2}),
+        json.dumps({"prompt_ids": prompt, "max_tokens": 5000}),
+    ]
+    done = generate(lines, *FLAGS)
+    assert done.returncode == 0, done.stderr
+    first, bad, pair, too_long = map(json.loads, done.stdout.splitlines())
+    # the same greedy tokens as the engine in process, on the same seeded dummy weights
+    core = EngineCore.from_config(EngineConfig(model="tiny", load_format="dummy", device="cpu", num_kv_blocks=64))
+    core.add_request(GenerateRequest("r", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    expected = [t for _ in iter(core.has_work, False) for f in core.step() for t in f.token_ids]
+    assert first == {"token_ids": expected, "finish_reason": "length", "num_cached_tokens": 0}
+    assert "line 2 is not valid JSON" in bad["error"]["message"]
+    assert [o["token_ids"] for o in pair["outputs"]] == [expected[:3]] * 2
+    assert "context length" in too_long["error"]["message"]
+    (start,) = [json.loads(line) for line in done.stderr.splitlines() if "model_load_start" in line]
+    assert start["cpu_threads"] == 1
+
+
+def test_bad_cpu_threads_exits_2_naming_the_flag():
+    done = generate([], *FLAGS[:-1], "0")
+    assert done.returncode == 2 and "--cpu-threads must be at least 1" in done.stderr
