@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not policies or len(set(policies)) != len(policies):
             raise RunnerError(f"--policies must name each policy once, got {args.policies!r}")
+        if args.think_time < 0 or args.conversation_gap < 0:
+            raise RunnerError("--think-time and --conversation-gap are mean seconds: at least 0")
         if unknown or not args.user_classes:
             raise RunnerError(f"--user-classes: unknown {unknown or 'none given'}; choose among {', '.join(USER_CLASSES)}")
         workload = WorkloadConfig.from_options(args)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -211,9 +212,10 @@ class Workload:
 
     def pauses(self, what: str, user: int, mean_s: float) -> Iterator[float]:
         """User ``user``'s pauses of kind ``what``: exponential with mean ``mean_s`` (0: none), seeded."""
+        if mean_s < 0:
+            raise ValueError(f"a mean pause must be at least 0 s, got {mean_s}")
         rng = self._rng("pause", what, user)
-        while True:
-            yield rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
+        return (rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0 for _ in itertools.repeat(None))
 
     def agent(self, index: int) -> Conversation:
         """Agent conversation ``index``: one of the K system prompts, then ``turns`` turns."""

@@ -6,6 +6,7 @@ A/B runner, which runs Locust in its own process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -97,6 +98,19 @@ def test_each_turn_resends_the_history_with_the_previous_answer():
         assert now[-1] == {"role": "user", "content": conv.turns[t].user}
     with pytest.raises(IndexError, match="has 4 turns"):
         conv.messages(SMALL.turns)
+
+
+def test_pauses_are_exponential_seeded_per_user_and_kind():
+    w = Workload(SMALL)
+    think = list(itertools.islice(w.pauses("think", 3, 2.0), 4000))
+    assert think[:20] == list(itertools.islice(Workload(SMALL).pauses("think", 3, 2.0), 20))  # seeded
+    assert think[:20] != list(itertools.islice(w.pauses("think", 4, 2.0), 20))  # per user
+    assert think[:20] != list(itertools.islice(w.pauses("conversation", 3, 2.0), 20))  # per kind
+    assert min(think) >= 0 and np.mean(think) == pytest.approx(2.0, rel=0.1)
+    assert np.median(think) == pytest.approx(2.0 * np.log(2), rel=0.1)  # exponential, not constant
+    assert list(itertools.islice(w.pauses("think", 3, 0.0), 3)) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="at least 0"):
+        w.pauses("think", 3, -1.0)
 
 
 def test_config_round_trips_through_flags_and_json():
@@ -292,6 +306,11 @@ def test_runner_refuses_a_policy_the_gateway_lacks(tmp_path: Path):
     assert result.returncode == 2
     assert "the gateway does not accept --routing no-such-policy" in result.stderr
     assert not (tmp_path / "out").exists()  # refused before starting anything
+
+
+def test_runner_refuses_a_negative_pause(tmp_path: Path):
+    result = run_ab(["--out", str(tmp_path / "out"), "--conversation-gap", "-5"], timeout=60)
+    assert result.returncode == 2 and "--conversation-gap are mean seconds" in result.stderr
 
 
 def test_ab_smoke_one_engine_one_user(tmp_path: Path):
