@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.spawn import free_port
 from loadtest import report
-from loadtest.workload import WorkloadConfig, add_workload_arguments
+from loadtest.workload import WorkloadConfig, add_pause_arguments, add_workload_arguments
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 HOST = "127.0.0.1"
@@ -326,13 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds Locust lets requests in flight finish after --duration (default: %(default)s)")
     parser.add_argument("--user-classes", type=lambda s: [c for c in s.split(",") if c], default=["AgentUser"],
                         help=f"comma-separated Locust classes among {', '.join(USER_CLASSES)} (default: AgentUser)")
-    parser.add_argument("--think-time", type=float, default=0.0,
-                        help="mean seconds a user waits between requests, exponentially distributed and seeded "
-                             "per user (an agent's tool calls; 0 = none, a closed loop)")
-    parser.add_argument("--conversation-gap", type=float, default=0.0,
-                        help="AgentUser: mean seconds before each conversation, exponentially distributed and seeded "
-                             "per user; long gaps make conversation arrivals an open stream, the same for every "
-                             "policy (0 = back to back: a closed loop, where a faster policy gets more work)")
     parser.add_argument("--model", default="mini",
                         help="engine --model: a dummy shape name, GGUF file or HF directory (default: %(default)s)")
     parser.add_argument("--load-format", default="dummy", choices=("auto", "gguf", "hf", "dummy"),
@@ -349,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=_positive(float), default=300.0,
                         help="seconds for engines and gateways to become ready (default: %(default)s)")
     add_workload_arguments(parser)
+    add_pause_arguments(parser)
     return parser
 
 

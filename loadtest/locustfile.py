@@ -32,7 +32,15 @@ from locust import User, events, task
 from locust.env import Environment
 
 from loadtest.records import RecordWriter, RequestRecord
-from loadtest.workload import AGENT, CHAT, Conversation, Workload, WorkloadConfig, add_workload_arguments
+from loadtest.workload import (
+    AGENT,
+    CHAT,
+    Conversation,
+    Workload,
+    WorkloadConfig,
+    add_pause_arguments,
+    add_workload_arguments,
+)
 
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 600  # the longest silence between two chunks (a long queue on a slow CPU)
@@ -46,17 +54,10 @@ class RequestFailed(Exception):
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
     add_workload_arguments(parser)
+    add_pause_arguments(parser)
     parser.add_argument("--records-csv", default="", help="write one CSV row per request here")
     parser.add_argument("--gateways", default="",
                         help="comma-separated gateway base URLs; user i talks to gateway i mod M (default: --host)")
-    parser.add_argument("--think-time", type=float, default=0.0,
-                        help="mean seconds a user waits between requests, exponentially distributed and seeded "
-                             "per user (0 = none)")
-    parser.add_argument("--conversation-gap", type=float, default=0.0,
-                        help="AgentUser: mean seconds before each conversation (the first one too), exponentially "
-                             "distributed and seeded per user: conversations arrive at about users / (gap + "
-                             "conversation time) per second, close to a Poisson stream when the gap is long "
-                             "(0 = back to back, a closed loop)")
 
 
 @events.init.add_listener

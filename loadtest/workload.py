@@ -147,6 +147,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_pause_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pacing flags, shared by the runner's parser and Locust's (see :meth:`Workload.pauses`)."""
+    group = parser.add_argument_group("pacing (exponential pauses, seeded per user)")
+    group.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                       help="mean seconds a user waits between requests (an agent's tool calls; 0 = none)")
+    group.add_argument("--conversation-gap", type=float, default=0.0, metavar="S",
+                       help="AgentUser: mean seconds before each conversation (the first one too). A gap much "
+                            "longer than a conversation makes arrivals a near-Poisson stream of about users / "
+                            "(gap + conversation time) per second, the same for every policy; 0 = back to back, "
+                            "a closed loop, where a faster policy gets more work")
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload flags, shared by the runner's parser and Locust's (plain argparse keywords only)."""
     d = WorkloadConfig()
