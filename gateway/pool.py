@@ -338,7 +338,6 @@ class RoutedStream:
     def _count(self, decision: RouteDecision) -> None:
         self.decision = decision
         self.replica = decision.replica
-        self.replica.in_flight += 1
         self.replica.streams.add(self)
         self._interrupted = None
         self._pending_tokens = len(self._request.prompt_ids) - decision.predicted_cached_tokens
@@ -350,5 +349,4 @@ class RoutedStream:
 
     def _uncount(self) -> None:
         self._prefilled()
-        self.replica.in_flight -= 1
         self.replica.streams.discard(self)

@@ -69,7 +69,6 @@ class Replica:
     url: str
     client: EngineClient
     ready: bool = False  # routable: its engine answers ready and its circuit breaker is closed
-    in_flight: int = 0  # this gateway's engine requests on it
     pending_prefill_tokens: int = 0  # predicted uncached prompt tokens of those without a first token yet
     stats: dict[str, Any] = field(default_factory=dict)  # its last /stats
     in_flight_at_poll: int = 0  # in_flight when ``stats`` was taken
@@ -79,7 +78,12 @@ class Replica:
     engine_ready: bool = False  # its last /stats answered 200 with the pool's model
     error: str | None = None  # why it is not ready
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    streams: set[RoutedStream] = field(default_factory=set)  # this gateway's requests on it (to interrupt)
+    streams: set[RoutedStream] = field(default_factory=set)  # this gateway's engine requests on it
+
+    @property
+    def in_flight(self) -> int:
+        """This gateway's engine requests on it."""
+        return len(self.streams)
 
     @property
     def queued(self) -> int:

@@ -23,7 +23,8 @@ ROUTE = RouteRequest([1, 2, 3], None)
 def replicas(*loads: tuple[int, int]) -> list[Replica]:
     out = []
     for i, (in_flight, waiting) in enumerate(loads):
-        r = Replica(f"http://e{i}", client=None, ready=True, in_flight=in_flight, stats={"num_waiting": waiting})
+        r = Replica(f"http://e{i}", client=None, ready=True, stats={"num_waiting": waiting})
+        r.streams.update(object() for _ in range(in_flight))  # stand-ins for this gateway's requests
         out.append(r)
     return out
 
