@@ -3,9 +3,12 @@
 Prints one JSON line per measurement: first the device's copy bandwidth measured in this run,
 then each kernel at Llama-3-8B shapes (32 query heads, 8 kv heads, head_dim 128, hidden 4096,
 intermediate 14336, bf16). Times are medians of ``triton.testing.do_bench`` (L2 flushed before
-each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth`` B/s.
+each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth`` B/s. The
+``fused_decode_attention_graph`` rows time one decode layer's attention (SmolLM2 and Llama-3-8B
+shapes) as decode_attention against rotary_embedding + store_kv + paged_attention, inside CUDA
+graphs, as the engine replays decode steps.
 
-    python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep]
+    python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
 ``--sweep`` also times alternative attention tile shapes, to tune ``attention_tiles``.
 """
@@ -34,6 +37,14 @@ DTYPE = torch.bfloat16
 ELEMENT = 2  # bytes per bf16
 DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXTS = (512, 4096, 32768)
+# decode_attention against the three launches it replaces (rotary_embedding, store_kv,
+# paged_attention), batches of single-token sequences of one context length:
+# (query heads, kv heads, head_dim, block-table capacity).
+FUSED_DECODE_SHAPES = {"smollm2": (9, 3, 64, 2048), "llama3-8b": (32, 8, 128, 8192)}
+FUSED_DECODE_BATCHES = (1, 64)
+FUSED_DECODE_CONTEXTS = (512, 2048, 8192)  # past a shape's capacity, the table widens to the context
+GRAPH_LAYER_CALLS = 10  # calls per captured graph, as a model's layers: the graph launch amortizes
+GRAPH_REPLAYS = 1000
 DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
 PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 3)]
 
@@ -181,6 +192,75 @@ def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
             del args
 
 
+def graph_us_per_call(fn: Callable[[], object]) -> float:
+    """Microseconds per call of ``fn`` captured GRAPH_LAYER_CALLS times in one CUDA graph and
+    replayed GRAPH_REPLAYS times: the launch gaps between kernels count, the host does not."""
+    fn()  # compiles, and allocates what must exist before a capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_LAYER_CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(GRAPH_REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * GRAPH_LAYER_CALLS)
+
+
+def bench_fused_decode(block_size: int) -> None:
+    """One attention layer of a decode step, both ways, under CUDA graphs."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, (num_heads, num_kv_heads, head_dim, max_model_len) in FUSED_DECODE_SHAPES.items():
+        for batch in FUSED_DECODE_BATCHES:
+            for context in FUSED_DECODE_CONTEXTS:
+                capacity = max(max_model_len, context)
+                blocks_per_seq = math.ceil(context / block_size)
+                cache_shape = (batch * blocks_per_seq + 1, block_size, num_kv_heads, head_dim)
+                k_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
+                v_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
+                # Each sequence's blocks scattered over the pool; the table full width (capacity).
+                tables = torch.zeros((batch, capacity // block_size), dtype=torch.int32, device="cuda")
+                tables[:, :blocks_per_seq] = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, -1)
+                last = context - 1
+                slots = (tables[:, last // block_size] * block_size + last % block_size).long()
+                positions = torch.full((batch,), last, dtype=torch.int64, device="cuda")
+                seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                qkv = torch.randn((batch, (num_heads + 2 * num_kv_heads) * head_dim), dtype=DTYPE, device="cuda")
+                q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+                q = q.view(batch, num_heads, head_dim)
+                k, v = (t.view(batch, num_kv_heads, head_dim) for t in (k, v))
+                cos_sin = reference.rope_cos_sin_cache(head_dim, capacity, 10000.0, device="cuda")
+                scale, lens_cpu, starts_cpu = head_dim**-0.5, [context] * batch, list(range(batch + 1))
+
+                def three_launches():
+                    q_rot, k_rot = triton_ops.rotary_embedding(positions, q, k, cos_sin)
+                    triton_ops.store_kv(k_rot, v, k_cache, v_cache, slots)
+                    return triton_ops.paged_attention(
+                        q_rot, k_cache, v_cache, tables, seq_lens, query_start_loc, scale,
+                        lens_cpu, starts_cpu, key=k_rot, value=v,
+                    )
+
+                def fused():
+                    return triton_ops.decode_attention(
+                        positions, q, k, v, cos_sin, k_cache, v_cache, slots, tables, seq_lens, scale, lens_cpu,
+                    )
+
+                tiles = triton_ops.attention_tiles("decode", head_dim, DTYPE)
+                splits = triton_ops.decode_num_splits(batch, num_kv_heads, capacity, tiles.block_n, num_sms)
+                separate_us, fused_us = graph_us_per_call(three_launches), graph_us_per_call(fused)
+                emit(
+                    bench="fused_decode_attention_graph", shape=shape, batch=batch, context=context,
+                    capacity=capacity, block_size=block_size, num_splits=splits,
+                    separate_launches=3 + (splits > 1), separate_us=round(separate_us, 2),
+                    fused_us=round(fused_us, 2), speedup=round(separate_us / fused_us, 2),
+                    max_abs_err=max_abs_err(fused(), three_launches()),
+                )
+
+
 def bench_prefill(block_size: int, bandwidth: float, sweep: bool) -> None:
     """Each case twice: the new chunk's keys read through the block table like the prefix
     (``triton_*``), and from the step's key/value rows (``triton_new_rows_*``)."""
@@ -292,14 +372,25 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention tiles")
+    parser.add_argument(
+        "--only", choices=("decode", "fused_decode", "prefill", "small_ops"),
+        help="run one group of benchmarks (after the bandwidth measurement)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
     torch.manual_seed(0)
     bench_copy_bandwidth()
-    bench_decode(args.block_size, args.bandwidth, args.sweep)
-    bench_prefill(args.block_size, args.bandwidth, args.sweep)
-    bench_small_ops(args.block_size, args.bandwidth)
+    bandwidth = args.bandwidth
+    groups = {
+        "decode": lambda: bench_decode(args.block_size, bandwidth, args.sweep),
+        "fused_decode": lambda: bench_fused_decode(args.block_size),
+        "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
+        "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
+    }
+    for name, run in groups.items():
+        if args.only in (None, name):
+            run()
 
 
 if __name__ == "__main__":

@@ -1,23 +1,33 @@
-"""CUDA graphs of decode-only steps, one per batch bucket, replayed with padded inputs.
+"""CUDA graphs of decode-only steps, per batch bucket and context bound, replayed with padded inputs.
 
 A step of ``n`` single-token sequences replays the graph of the smallest bucket ``b >= n``; rows
 ``n … b-1`` are padding (slot -1: nothing stored; context length 0: zero attention output) and
-their hidden states are dropped. Every graph reads the same static input buffers, sized for the
-largest bucket, with block tables at the full ``max_model_len`` width (the decode kernel's split
-count depends on that width, never on the lengths, so one capture serves every context length).
+their outputs are dropped. Each bucket has a graph for contexts up to FUSED_DECODE_MAX_CONTEXT
+(the fused decode attention) and one for any context (the split-K ops): a step replays the first
+that fits its longest context. Every graph reads the same static input buffers, sized for the
+largest bucket, with block tables at the full ``max_model_len`` width (the decode kernels' split
+counts depend on that width, never on the lengths, so one capture serves every length it bounds).
 The graphs share one memory pool, captured largest first, so their memory is about the largest
-bucket's activations. Sampling stays outside the graph (per-request generators and penalties).
+bucket's activations and logits. The LM head and a greedy argmax run inside the graph: a step
+whose rows need nothing but the argmax (``Sampler.plain_greedy``) launches nothing more; any other
+step samples from the graph's logits outside it (per-request generators, penalties, logprobs).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import FUSED_DECODE_MAX_CONTEXT, AttentionMetadata
 from engine.request import Sequence
+
+
+class DecodeOutput(NamedTuple):
+    logits: torch.Tensor  # [num_seqs, vocab] fp32, a view of the graph's static output
+    greedy: torch.Tensor  # [num_seqs] int64, each row's argmax
 
 # Static int64 rows (input ids, positions, slots) are padded to this many entries so that each
 # row starts 128-byte aligned, as the eager path's fresh tensors do (Triton specializes on it).
@@ -53,6 +63,9 @@ class DecodeGraphs:
         self.max_batch_size = buckets[-1]
         self.capture_graphs = capture
         self.capacity = max_blocks_per_seq * block_size
+        # Each bucket is captured per context bound: steps whose contexts all fit the short one
+        # take the fused decode attention, the others the split-K ops (see AttentionMetadata).
+        self.context_bounds = sorted({min(FUSED_DECODE_MAX_CONTEXT, self.capacity), self.capacity})
         width = -(-self.max_batch_size // _ROW_ALIGN) * _ROW_ALIGN
         pin = device.type == "cuda"
         # Host staging: filled with numpy, copied to the device in three transfers per step.
@@ -69,13 +82,17 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(self.max_batch_size + 1, dtype=torch.int32, device=device)
         # The staging buffers are rewritten only once the previous step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], DecodeOutput] = {}
 
     def bucket(self, num_seqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
-    def _forward(self, batch_size: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+    def graph_key(self, num_seqs: int, longest_context: int) -> tuple[int, int]:
+        """(bucket, context bound) of the graph that runs such a step."""
+        return self.bucket(num_seqs), next(b for b in self.context_bounds if longest_context <= b)
+
+    def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
         attn = AttentionMetadata(
             block_tables=self._tables[:batch_size],
             seq_lens=self._seq_lens[:batch_size],
@@ -84,32 +101,36 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens_cpu,
             query_start_loc_cpu=list(range(batch_size + 1)),
             max_query_len=1,
-            max_seq_len=self.capacity,
+            max_seq_len=context_bound,
         )
-        return self.model(self._ids[0, :batch_size], self._ids[1, :batch_size], attn, self.kv_caches)
+        hidden = self.model(self._ids[0, :batch_size], self._ids[1, :batch_size], attn, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        return DecodeOutput(logits, logits.argmax(-1))
 
     def capture(self) -> int:
-        """Capture every bucket, largest first, into one pool; returns the device bytes taken."""
+        """Capture every bucket at every context bound, largest first, into one pool; returns
+        the device bytes taken."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.buckets):
             padding = [0] * batch_size
-            self._forward(batch_size, padding)  # compiles and autotunes outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[batch_size] = self._forward(batch_size, padding)
-            self._graphs[batch_size] = graph
+            for bound in self.context_bounds:
+                self._forward(batch_size, bound, padding)  # compiles and autotunes outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[batch_size, bound] = self._forward(batch_size, bound, padding)
+                self._graphs[batch_size, bound] = graph
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return free_before - torch.cuda.mem_get_info(self.device)[0]
 
-    def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Hidden states ``[len(seqs), hidden]`` of the next token of each sequence (each has
-        exactly one token to compute, and its blocks allocated). Writes its K/V into the cache."""
+    def run(self, seqs: Seq[Sequence]) -> DecodeOutput:
+        """Logits and argmax of the next token of each sequence (each has exactly one token to
+        compute, and its blocks allocated). Writes their K/V into the cache. The outputs are
+        views of static buffers: valid until the next ``run``."""
         n = len(seqs)
-        batch_size = self.bucket(n)
         if self._copied is not None:
             self._copied.synchronize()
         ids, seq_lens, tables = self._np_ids, self._np_seq_lens, self._np_tables
@@ -122,6 +143,8 @@ class DecodeGraphs:
             ids[2, i] = blocks[pos // bs] * bs + pos % bs
             seq_lens[i] = pos + 1
             tables[i, : len(blocks)] = blocks
+        key = self.graph_key(n, int(seq_lens[:n].max()))
+        batch_size = key[0]
         ids[:2, n:batch_size] = 0
         ids[2, n:batch_size] = -1
         seq_lens[n:batch_size] = 0
@@ -131,8 +154,8 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
         if self.capture_graphs:
-            self._graphs[batch_size].replay()
-            hidden = self._outputs[batch_size]
+            self._graphs[key].replay()
+            out = self._outputs[key]
         else:
-            hidden = self._forward(batch_size, seq_lens[:batch_size].tolist())
-        return hidden[:n]
+            out = self._forward(*key, seq_lens[:batch_size].tolist())
+        return DecodeOutput(out.logits[:n], out.greedy[:n])

@@ -144,16 +144,24 @@ class ModelRunner:
         """Run one step; sample for every sequence whose known tokens are now all computed."""
         graphs = self.decode_graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch_size and all(n == 1 for _, n in scheduled):
-            hidden = graphs.run([seq for seq, _ in scheduled])
+            logits, greedy = graphs.run([seq for seq, _ in scheduled])
             sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            if not sample_rows:
+                return []
             sampling_seqs = [scheduled[i].seq for i in sample_rows]
+            if len(sample_rows) < logits.shape[0]:
+                rows = torch.tensor(sample_rows, device=self.device)
+                logits, greedy = logits[rows], greedy[rows]
+            if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer
+                return [SampledToken(seq, tok, None) for seq, tok in zip(sampling_seqs, greedy.tolist())]
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)
-        if not sample_rows:
-            return []
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        out = self.sampler(self.model.compute_logits(hidden), sampling_seqs)
+            if not sample_rows:
+                return []
+            if len(sample_rows) < hidden.shape[0]:
+                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, sampling_seqs)
         return [
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)

@@ -67,6 +67,20 @@ class Sampler:
                 logprobs[i] = lp
         return SamplerOutput(tokens.tolist(), logprobs)
 
+    def plain_greedy(self, seqs: Sequence[SamplingSeq]) -> bool:
+        """Whether every row's token is the argmax of its raw logits and no row asks for
+        logprobs: no bias, penalty or min-tokens mask applies, so a caller may take an argmax
+        computed elsewhere (inside a CUDA graph) instead of calling the sampler."""
+        for s in seqs:
+            p = s.sampling
+            masked = len(s.output_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos and self.eos_token_ids)
+            if (
+                not p.greedy or p.logprobs is not None or p.logit_bias or masked
+                or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            ):
+                return False
+        return True
+
     def probs(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> torch.Tensor:
         """The distribution each row's token would be drawn from, ``[num_seqs, vocab]``.
 

@@ -8,8 +8,8 @@ BACKENDS = ("torch", "triton")
 
 
 def load_ops(backend: str) -> ModuleType:
-    """The op set of ``backend``: a module exposing store_kv, paged_attention, rms_norm,
-    rope_cos_sin_cache, rotary_embedding and silu_and_mul."""
+    """The op set of ``backend``: a module exposing store_kv, paged_attention, decode_attention,
+    rms_norm, rope_cos_sin_cache, rotary_embedding and silu_and_mul."""
     if backend == "torch":
         from kernels import reference
 

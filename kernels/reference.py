@@ -108,6 +108,36 @@ def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale
     out[q_rows] = attn[:, :, 0]
 
 
+def decode_attention(
+    positions: torch.Tensor,  # [num_seqs] int64, each new token's RoPE position
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], before RoPE
+    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], before RoPE
+    v: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs] int64; negative: a padding row, not stored
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    scale: float,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """A decode-only step's attention, from the new tokens' projections to the output
+    ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype: row ``i`` is sequence ``i``'s one new
+    token, at context position ``seq_lens[i] - 1``. RoPE on q and k, the new k/v written to the
+    cache at ``slot_mapping`` (in place), then attention over the whole context: exactly
+    ``rotary_embedding``, ``store_kv`` and ``paged_attention`` with one query per sequence.
+    A padding row (``slot_mapping[i] < 0``) must have ``seq_lens[i] == 0``; its output is zeros."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    num_seqs = q.shape[0]
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        seq_lens_cpu, list(range(num_seqs + 1)),
+    )
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,

@@ -26,6 +26,7 @@ from kernels.reference import rope_cos_sin_cache
 __all__ = [
     "store_kv",
     "paged_attention",
+    "decode_attention",
     "rms_norm",
     "rope_cos_sin_cache",
     "rotary_embedding",
@@ -44,6 +45,10 @@ _LOG2E = math.log2(math.e)
 # (a power of two: the reduce kernel's tile).
 _DECODE_PROGRAMS_PER_SM = 4
 _MAX_DECODE_SPLITS = 64
+# decode_attention's last program merges the partials one by one: its keys go to at most this
+# many splits (fastest on the H200 at 512 and 2K tokens), more only past this many keys a split.
+_FUSED_DECODE_MERGED_SPLITS = 8
+_FUSED_DECODE_LONG_SPLIT_TOKENS = 1024
 # The interpreter has no multiprocessors; a small count still exercises split-K on tiny shapes.
 _INTERPRETER_NUM_SMS = 4
 _MAX_HEAD_DIM = 256
@@ -482,6 +487,29 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
 
 
+def _check_seq_lens_cpu(seq_lens_cpu: list[int] | None, num_seqs: int, capacity: int) -> None:
+    if seq_lens_cpu is None:
+        return
+    _check(
+        len(seq_lens_cpu) == num_seqs,
+        f"seq_lens_cpu has {len(seq_lens_cpu)} entries for {num_seqs} sequences",
+    )
+    _check(
+        num_seqs == 0 or max(seq_lens_cpu) <= capacity,
+        f"a sequence length of {max(seq_lens_cpu, default=0)} exceeds the block table's "
+        f"capacity of {capacity} tokens",
+    )
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    """The attention kernels' DOT_DTYPE and DOT_PRECISION for activations of ``dtype``."""
+    return dict(
+        DOT_DTYPE=tl.float32 if _INTERPRETED else _TL_DTYPES[dtype],
+        # fp32 inputs keep fp32 accuracy on the tensor cores (plain tf32 would round them).
+        DOT_PRECISION="tf32x3" if dtype == torch.float32 else "tf32",
+    )
+
+
 def _new_rows_descriptors(
     key: torch.Tensor | None, value: torch.Tensor | None, block_n: int, head_dim_pad: int
 ) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
@@ -571,16 +599,7 @@ def paged_attention(
         query_start_loc=query_start_loc, **new_rows,
     )
     capacity = block_tables.shape[1] * block_size
-    if seq_lens_cpu is not None:
-        _check(
-            len(seq_lens_cpu) == num_seqs,
-            f"seq_lens_cpu has {len(seq_lens_cpu)} entries for {num_seqs} sequences",
-        )
-        _check(
-            num_seqs == 0 or max(seq_lens_cpu) <= capacity,
-            f"a sequence length of {max(seq_lens_cpu, default=0)} exceeds the block table's "
-            f"capacity of {capacity} tokens",
-        )
+    _check_seq_lens_cpu(seq_lens_cpu, num_seqs, capacity)
     if query_start_loc_cpu is not None:
         _check(
             len(query_start_loc_cpu) == num_seqs + 1,
@@ -598,11 +617,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     cache_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    dot = dict(
-        DOT_DTYPE=tl.float32 if _INTERPRETED else _TL_DTYPES[q.dtype],
-        # fp32 inputs keep fp32 accuracy on the tensor cores (plain tf32 would round them).
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-    )
+    dot = _dot_args(q.dtype)
     scale_log2 = scale * _LOG2E
     if has_decode:
         tiles = attention_tiles("decode", head_dim_pad, q.dtype)
@@ -641,6 +656,267 @@ def paged_attention(
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=2 if has_decode else 1, **dot,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# decode_attention: rotary_embedding, store_kv and paged_attention's split-K decode in one launch
+
+
+@triton.jit
+def _load_rotated(row_ptr, d, rot_d, mask, cos, signed_sin):
+    """Rotate-half RoPE in fp32 of the vectors at ``row_ptr``: column ``d`` is
+    ``x[d] * cos + x[rot_d] * signed_sin`` (``rot_d`` the other half's column, the sine negated
+    in the first half), the same products and sums as ``_rotate_heads``."""
+    x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x_rot = tl.load(row_ptr + rot_d, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + x_rot * signed_sin
+
+
+@triton.jit
+def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
+    """The online-softmax step of one key held in registers (the new token's), in fp32."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    return acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :], m_new, l_i * alpha + p
+
+
+# The block table's width follows the batch: never specialize on it (nor on the split count).
+@triton.jit(do_not_specialize=["num_splits", "block_tables_stride"])
+def _fused_decode_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    scale_log2, num_splits,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
+    out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    MERGED_SPLITS: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (seq, kv head, split): RoPE on the GROUP query heads of one kv head, then
+    attention over one key range. Keys before the new token come from the pages; the new token
+    (the context's last position) is rotated, stored and attended from registers by the split
+    that holds it, so no program waits for another's store. With more than one split holding
+    keys, each writes a partial (normalized output and log2-sum-exp) and counts its arrival;
+    the last to arrive merges the partials and resets the counter to 0 for the next launch."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # The last program merges the partials one by one: at most MERGED_SPLITS of the splits share
+    # the keys, more only past LONG_SPLIT_TOKENS keys each (a long context needs the programs).
+    long_splits = (seq_len + LONG_SPLIT_TOKENS - 1) // LONG_SPLIT_TOKENS
+    tokens_per_split = _split_tokens(seq_len, tl.minimum(num_splits, tl.maximum(long_splits, MERGED_SPLITS)), BLOCK_N)
+    # A padding row (length 0) keeps one program: it writes the zeros.
+    num_active = tl.maximum((seq_len + tokens_per_split - 1) // tokens_per_split, 1)
+    if split >= num_active:
+        return
+    holds_new = split == num_active - 1
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    paged_end = tl.maximum(tl.where(holds_new, end - 1, end), start)
+
+    position = tl.load(positions_ptr + seq).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    d_ok = d < HEAD_DIM
+    rot_d = (d + HEAD_DIM // 2) % HEAD_DIM
+    cos_sin_row = cos_sin_ptr + position * cos_sin_stride + d % (HEAD_DIM // 2)
+    cos = tl.load(cos_sin_row, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_row + HEAD_DIM // 2, mask=d_ok, other=0.0).to(tl.float32)
+    signed_sin = tl.where(d < HEAD_DIM // 2, -sin, sin)
+    head = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & d_ok[None, :]
+    q_heads = q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h
+    q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :])
+    # Rounded to q's dtype, as rotary_embedding returns it.
+    q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    full_end = start + (paged_end - start) // BLOCK_N * BLOCK_N
+    for tile_start in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, g, tile_start, paged_end, kv_head, block_table_row,
+            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "none", DOT_DTYPE, DOT_PRECISION,
+        )
+    if full_end < paged_end:
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, g, full_end, paged_end, kv_head, block_table_row,
+            k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+            HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end", DOT_DTYPE, DOT_PRECISION,
+        )
+    if holds_new:
+        k_row = k_ptr + seq.to(tl.int64) * k_stride_t + kv_head * k_stride_h
+        v_row = v_ptr + seq.to(tl.int64) * v_stride_t + kv_head * v_stride_h
+        # Rounded as rotary_embedding returns k, then as store_kv writes k and v.
+        k_new = _load_rotated(k_row, d, rot_d, d_ok, cos, signed_sin).to(k_ptr.dtype.element_ty)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_row + d, mask=d_ok, other=0.0).to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if slot >= 0:
+            dst = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s
+            dst += kv_head * cache_stride_h + d
+            tl.store(k_cache_ptr + dst, k_new, mask=d_ok)
+            tl.store(v_cache_ptr + dst, v_new, mask=d_ok)
+        if seq_len > 0:
+            acc, m_i, l_i = _attend_new_key(q, k_new, v_new, acc, m_i, l_i, scale_log2)
+
+    # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + seq.to(tl.int64) * out_stride_t + head[:, None] * out_stride_h + d[None, :]
+    if SPLIT:
+        if num_active > 1:
+            partials = (seq * tl.num_programs(1) * GROUP + head) * num_splits  # split 0's partial
+            tl.store(partial_lse_ptr + partials + split, m_i + tl.log2(l_i), mask=g < GROUP)
+            tl.store(partial_out_ptr + (partials + split)[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+            # Every thread's partial is written before the (one-thread) release below.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_active - 1:  # the last: every other partial is visible
+                m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+                total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+                merged = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+                for s in range(0, num_active):
+                    # .cg: from L2, where the other programs' partials are.
+                    lse = tl.load(partial_lse_ptr + partials + s, mask=g < GROUP, other=0.0, cache_modifier=".cg")
+                    part = tl.load(
+                        partial_out_ptr + (partials + s)[:, None] * HEAD_DIM + d[None, :],
+                        mask=q_mask, other=0.0, cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m, lse)
+                    alpha = tl.exp2(m - m_new)
+                    weight = tl.exp2(lse - m_new)
+                    merged = merged * alpha[:, None] + part * weight[:, None]
+                    total = total * alpha + weight
+                    m = m_new
+                tl.store(out_ptrs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
+            return
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# Per device: one arrival counter per (seq, kv head) of a split-K decode_attention launch.
+_ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K arrival counters: zeroed once, then left at 0 by every launch (its
+    last program resets them), so no launch needs a memset and CUDA graph replays find them
+    ready. decode_num_splits splits only grids of fewer (seq, kv head) pairs than
+    ``_DECODE_PROGRAMS_PER_SM * num_sms``: that many counters always suffice. Shared by every
+    launch on the device: two launches must not run at once (on two streams)."""
+    counters = _ARRIVAL_COUNTERS.get(device)
+    if counters is None:
+        _check(
+            device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+            "decode_attention's counters would be allocated inside a CUDA graph capture: "
+            "call it once on the device before capturing",
+        )
+        counters = torch.zeros(_DECODE_PROGRAMS_PER_SM * _num_sms(device), dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTERS[device] = counters
+    return counters
+
+
+def decode_attention(
+    positions: torch.Tensor,  # [num_seqs] int64, each new token's RoPE position
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], before RoPE
+    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], before RoPE
+    v: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs] int64; negative: a padding row, not stored
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    scale: float,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """rotary_embedding, store_kv and paged_attention of a decode-only step in one kernel
+    launch, as the reference (row ``i``: sequence ``i``'s new token, at position
+    ``seq_lens[i] - 1``). ``q``/``k``/``v`` may be strided views of a fused qkv projection.
+    The split-K count follows the block table's width, as paged_attention's; the splits are
+    merged by the last of them to finish, not by a second kernel. No host sync: it may be
+    captured in a CUDA graph once it has run eagerly on the device (see _arrival_counters).
+    ``seq_lens_cpu``, optional, only lets the lengths be checked against the table's capacity."""
+    _check_tensor("positions", positions, 1, _INDEX_DTYPES)
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("k", k, 3, _FLOAT_DTYPES)
+    _check_tensor("v", v, 3, _FLOAT_DTYPES)
+    _check_tensor("cos_sin_cache", cos_sin_cache, 2, _FLOAT_DTYPES)
+    _check_kv_cache(k_cache, v_cache)
+    _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
+    _check_tensor("block_tables", block_tables, 2, _INDEX_DTYPES)
+    _check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    _check(head_dim == cache_head_dim, f"q has head_dim {head_dim} but the KV cache {cache_head_dim}")
+    _check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    _check(
+        num_heads % num_kv_heads == 0,
+        f"q's {num_heads} heads must be a multiple of the cache's {num_kv_heads} kv heads",
+    )
+    kv_shape = (num_seqs, num_kv_heads, head_dim)
+    _check(tuple(k.shape) == kv_shape, f"k must have shape {kv_shape}, got {tuple(k.shape)}")
+    _check(tuple(v.shape) == kv_shape, f"v must have shape {kv_shape}, got {tuple(v.shape)}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens)):
+        _check(tuple(t.shape) == (num_seqs,), f"{name} must have shape ({num_seqs},), got {tuple(t.shape)}")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check(
+        block_tables.shape[0] == num_seqs,
+        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
+    )
+    _check(
+        cos_sin_cache.shape[1] == head_dim,
+        f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
+    )
+    rows = dict(q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, block_tables=block_tables)
+    for name, t in rows.items():
+        _check_last_dim_contiguous(name, t)
+    _check(scale > 0, f"scale must be positive, got {scale}")
+    _check_devices(
+        positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
+        v_cache=v_cache, slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+    )
+    capacity = block_tables.shape[1] * block_size
+    _check_seq_lens_cpu(seq_lens_cpu, num_seqs, capacity)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tiles = attention_tiles("decode", head_dim_pad, q.dtype)
+    num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
+    split = num_splits > 1
+    partial_out = partial_lse = counters = out  # unused without split-K
+    if split:
+        counters = _arrival_counters(q.device)
+        _check(
+            num_seqs * num_kv_heads <= counters.numel(),
+            f"{num_seqs * num_kv_heads} split (seq, kv head) pairs exceed {counters.numel()} counters",
+        )
+        partial_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    group = num_heads // num_kv_heads
+    _fused_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+        out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
+        MERGED_SPLITS=_FUSED_DECODE_MERGED_SPLITS, LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS,
+        **_dot_args(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     return out
 
 
@@ -827,4 +1103,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         rows, out, d, rows.shape[1], rows.stride(0), rows.stride(1), BLOCK=block, num_warps=4,
     )
     return out
-

@@ -78,19 +78,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.ops.rotary_embedding(
-            positions,
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            cos_sin_cache,
-        )
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        # the new chunks' keys and values are read from k and v (contiguous rows), the prefix from pages
-        out = self.ops.paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-            self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu, key=k, value=v,
-        )
+        if attn.fused_decode:  # RoPE, the K/V store and attention in one launch
+            out = self.ops.decode_attention(
+                positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping,
+                attn.block_tables, attn.seq_lens, self.scale, attn.seq_lens_cpu,
+            )
+        else:
+            q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+            self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            # the new chunks' keys and values are read from k and v (contiguous rows), the prefix from pages
+            out = self.ops.paged_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu, key=k, value=v,
+            )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

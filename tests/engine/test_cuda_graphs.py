@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.__main__ import build_parser, engine_config
+from engine.attention import FUSED_DECODE_MAX_CONTEXT
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
@@ -35,7 +36,7 @@ def test_decode_buckets():
 @torch.inference_mode()
 def test_padded_decode_matches_the_eager_batch(tiny):
     """Three decoding sequences (bucket 4: one padding row) of different lengths on shuffled
-    blocks give the eager varlen batch's hidden states, and the padding row stores no K/V."""
+    blocks give the eager varlen batch's logits and argmax, and the padding row stores no K/V."""
     core = tiny_core(tiny)
     sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i, length in enumerate([3, 9, 21]):
@@ -48,19 +49,49 @@ def test_padded_decode_matches_the_eager_batch(tiny):
     assert graphs.bucket(len(scheduled)) == 4
 
     eager, rows, seqs = core.runner._run_eager(scheduled)
+    eager_logits = core.runner.model.compute_logits(eager)
     caches_before = [tuple(c.clone() for c in layer) for layer in core.runner.kv_caches]
-    padded = graphs.run([seq for seq, _ in scheduled])
+    logits, greedy = graphs.run([seq for seq, _ in scheduled])
     assert rows == [0, 1, 2] and seqs == [seq for seq, _ in scheduled]
-    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert greedy.tolist() == eager_logits.argmax(-1).tolist()
     for before, after in zip(caches_before, core.runner.kv_caches):
         for b, a in zip(before, after):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_context_bounds_pick_the_graph_and_agree(tiny):
+    """Past FUSED_DECODE_MAX_CONTEXT tokens of capacity a bucket has a short-context graph (fused
+    decode attention) and an any-context one (the split-K ops): the shortest bound that fits the
+    longest context is chosen, and both give the same logits."""
+    core = tiny_core(tiny)
+    runner = core.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, runner.block_size, 1024, [1, 2, 4], capture=False)
+    assert graphs.capacity == 4096 and graphs.context_bounds == [FUSED_DECODE_MAX_CONTEXT, 4096]
+    assert graphs.graph_key(3, FUSED_DECODE_MAX_CONTEXT) == (4, FUSED_DECODE_MAX_CONTEXT)
+    assert graphs.graph_key(1, FUSED_DECODE_MAX_CONTEXT + 1) == (1, 4096)
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate([3, 21]):
+        core.add_request(GenerateRequest(f"r{i}", list(range(10 + i, 10 + i + length)), sampling))
+    for _ in range(3):
+        core.step()
+    seqs = [seq for seq, _ in core.scheduler.schedule().scheduled]
+    short = graphs.run(seqs).logits.clone()  # fills the static inputs
+    longest = graphs._forward(2, 4096, graphs._np_seq_lens[:2].tolist()).logits
+    torch.testing.assert_close(longest, short, rtol=1e-5, atol=1e-5)
+
+
 def test_engine_tokens_with_padded_decode_graphs(tiny):
-    """Greedy tokens of a batch whose size changes as requests finish are the eager engine's."""
+    """Tokens of a batch whose size changes as requests finish are the eager engine's: plain
+    greedy batches (the graph's argmax) and batches with a seeded sampled row and a penalized
+    greedy row (the sampler on the graph's logits)."""
+    extras = [{}, {"temperature": 0.8, "seed": 3, "logprobs": 2}, {}, {"repetition_penalty": 1.3}, {}]
     requests = [
-        GenerateRequest(f"r{i}", list(range(5 * i, 5 * i + 7 + 3 * i)), SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True))
+        GenerateRequest(
+            f"r{i}", list(range(5 * i, 5 * i + 7 + 3 * i)),
+            SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True, **{"temperature": 0.0, **extras[i]}),
+        )
         for i in range(5)
     ]
 

@@ -128,6 +128,34 @@ def test_greedy_is_argmax_of_processed_logits():
     assert got == [reference_probs(logits[i], s).index(1.0) for i, s in enumerate(seqs)]
 
 
+@pytest.mark.parametrize(
+    "params,output_ids,plain",
+    [
+        (SamplingParams(temperature=0.0), [], True),
+        (SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1, seed=1), [], True),  # no effect on greedy
+        (SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), [], True),  # nothing to mask
+        (SamplingParams(temperature=0.0, min_tokens=2), [5, 6], True),  # reached
+        (SamplingParams(temperature=0.0, min_tokens=2), [5], False),  # EOS masked
+        (SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[9]), [], False),
+        (SamplingParams(temperature=0.7), [], False),
+        (SamplingParams(temperature=0.0, logprobs=0), [], False),
+        (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), [], False),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.1), [], False),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), [], False),
+        (SamplingParams(temperature=0.0, frequency_penalty=0.5), [], False),
+    ],
+)
+def test_plain_greedy_rows_need_only_the_raw_argmax(params, output_ids, plain):
+    """The rows for which a CUDA graph's argmax replaces the sampler; one row decides for the batch."""
+    sampler = Sampler(EOS)
+    seq = Seq(params, [1, 2], output_ids)
+    assert sampler.plain_greedy([seq]) is plain
+    assert sampler.plain_greedy([Seq(SamplingParams(temperature=0.0)), seq]) is plain
+    if plain:
+        logits = random_logits(4)
+        assert sampler(logits.clone(), [seq] * 4).token_ids == logits.argmax(-1).tolist()
+
+
 def test_greedy_ties_go_to_the_lowest_id():
     logits = torch.zeros(2, VOCAB)
     logits[0, [9, 4, 300]] = 5.0
