@@ -210,7 +210,7 @@ def graph_us_per_call(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * GRAPH_LAYER_CALLS)
 
 
-def bench_fused_decode(block_size: int) -> None:
+def bench_fused_decode(block_size: int, sweep: bool) -> None:
     """One attention layer of a decode step, both ways, under CUDA graphs."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape, (num_heads, num_kv_heads, head_dim, max_model_len) in FUSED_DECODE_SHAPES.items():
@@ -249,16 +249,23 @@ def bench_fused_decode(block_size: int) -> None:
                         positions, q, k, v, cos_sin, k_cache, v_cache, slots, tables, seq_lens, scale, lens_cpu,
                     )
 
-                tiles = triton_ops.attention_tiles("decode", head_dim, DTYPE)
+                tiles = triton_ops.attention_tiles("fused_decode", head_dim, DTYPE)
                 splits = triton_ops.decode_num_splits(batch, num_kv_heads, capacity, tiles.block_n, num_sms)
                 separate_us, fused_us = graph_us_per_call(three_launches), graph_us_per_call(fused)
                 emit(
                     bench="fused_decode_attention_graph", shape=shape, batch=batch, context=context,
-                    capacity=capacity, block_size=block_size, num_splits=splits,
+                    capacity=capacity, block_size=block_size, num_splits=splits, tiles=list(tiles),
                     separate_launches=3 + (splits > 1), separate_us=round(separate_us, 2),
                     fused_us=round(fused_us, 2), speedup=round(separate_us / fused_us, 2),
                     max_abs_err=max_abs_err(fused(), three_launches()),
                 )
+                if sweep:
+                    for block_n, num_warps, num_stages in DECODE_SWEEP:
+                        alt = triton_ops.AttentionTiles(1, block_n, num_warps, num_stages)
+                        emit(
+                            bench="fused_decode_attention_sweep", shape=shape, batch=batch, context=context,
+                            tiles=list(alt), fused_us=round(graph_us_per_call(with_tiles("fused_decode", alt, fused)), 2),
+                        )
 
 
 def bench_prefill(block_size: int, bandwidth: float, sweep: bool) -> None:
@@ -384,7 +391,7 @@ def main() -> None:
     bandwidth = args.bandwidth
     groups = {
         "decode": lambda: bench_decode(args.block_size, bandwidth, args.sweep),
-        "fused_decode": lambda: bench_fused_decode(args.block_size),
+        "fused_decode": lambda: bench_fused_decode(args.block_size, args.sweep),
         "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
     }

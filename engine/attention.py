@@ -9,8 +9,8 @@ import torch
 
 # Decode steps whose contexts all fit in this many tokens run decode_attention (RoPE, the K/V
 # store and split-K attention in one launch); longer ones the three ops it fuses, whose separate
-# reduce kernel merges many splits in parallel. On the H200 (kernels_bench.py, per layer) the
-# fused op is 1.02-1.24x as fast at 512 tokens, 0.84-1.02x at 2K and 0.52-0.95x at 8K.
+# reduce kernel merges many splits in parallel. On the H200 (kernels_bench.py, per layer, batch
+# 1 to 64) the fused op is 1.1-1.4x as fast at 512 tokens, 0.9-1.2x at 2K and 0.5-0.95x at 8K.
 FUSED_DECODE_MAX_CONTEXT = 2048
 
 

@@ -7,8 +7,8 @@ their outputs are dropped. Each bucket has a graph for contexts up to FUSED_DECO
 that fits its longest context. Every graph reads the same static input buffers, sized for the
 largest bucket, with block tables at the full ``max_model_len`` width (the decode kernels' split
 counts depend on that width, never on the lengths, so one capture serves every length it bounds).
-The graphs share one memory pool, captured largest first, so their memory is about the largest
-bucket's activations and logits. The LM head and a greedy argmax run inside the graph: a step
+The graphs share one memory pool, captured largest first, and one logits buffer, so their memory
+is about the largest bucket's activations and logits. The LM head and a greedy argmax run inside the graph: a step
 whose rows need nothing but the argmax (``Sampler.plain_greedy``) launches nothing more; any other
 step samples from the graph's logits outside it (per-request generators, penalties, logprobs).
 """
@@ -80,6 +80,8 @@ class DecodeGraphs:
         self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
         self._tables = torch.zeros((self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(self.max_batch_size + 1, dtype=torch.int32, device=device)
+        # Every graph writes its logits here: one [max batch, vocab] buffer, not one per graph.
+        self._logits = torch.empty((self.max_batch_size, model.config.vocab_size), dtype=torch.float32, device=device)
         # The staging buffers are rewritten only once the previous step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -104,7 +106,7 @@ class DecodeGraphs:
             max_seq_len=context_bound,
         )
         hidden = self.model(self._ids[0, :batch_size], self._ids[1, :batch_size], attn, self.kv_caches)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, out=self._logits[:batch_size])
         return DecodeOutput(logits, logits.argmax(-1))
 
     def capture(self) -> int:

@@ -405,16 +405,21 @@ class Serving:
         return True
 
     async def _guard(self, events: AsyncIterator[str], record: RequestRecord) -> AsyncIterator[str]:
-        """An error after the response started can only be told as an SSE error event."""
+        """An error after the response started can only be told as an SSE error event; the
+        stream then ends with ``[DONE]`` as every stream does (as vLLM's), so SSE clients that
+        read to the end stop there."""
         try:
             async for event in events:
                 yield event
+            return
         except EngineFailed as exc:
             record.error = str(exc)
-            yield f"data: {_dumps(APIError(502, str(exc)).body())}\n\n"
+            error = APIError(502, str(exc))
         except Exception as exc:  # noqa: BLE001 — logged once with its traceback via the record
             record.exc = exc
-            yield f"data: {_dumps(APIError(500, 'internal server error').body())}\n\n"
+            error = APIError(500, "internal server error")
+        yield f"data: {_dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
 
     # --- response shapes ---
 

@@ -457,15 +457,18 @@ class AttentionTiles(NamedTuple):
 
 
 def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> AttentionTiles:
-    """Tile shapes for ``kind`` ("decode" or "prefill"), sized to stay clear of register spills
-    on sm_90. The interpreter gets small tiles so that tiny test shapes still cross tile and
-    page boundaries."""
+    """Tile shapes for ``kind`` ("decode", "fused_decode" or "prefill"), sized to stay clear of
+    register spills on sm_90. The interpreter gets small tiles so that tiny test shapes still
+    cross tile and page boundaries."""
     if _INTERPRETED:
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    if kind == "decode":
+    if kind in ("decode", "fused_decode"):
         if dtype == torch.float32 or head_dim_pad > 128:
             return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
-        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=3)
+        # The fused kernel holds more in registers and runs at short contexts (a few tiles a
+        # split): two stages beat three there on the H200 (kernels_bench.py --sweep), by up to
+        # 1.4x at batch 64; the split-K kernel keeps three for long contexts.
+        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=2 if kind == "fused_decode" else 3)
     if dtype == torch.float32:  # 3xTF32 dots keep three operand splits in registers
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim_pad > 128:
@@ -891,7 +894,7 @@ def decode_attention(
     if num_seqs == 0:
         return out
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tiles = attention_tiles("decode", head_dim_pad, q.dtype)
+    tiles = attention_tiles("fused_decode", head_dim_pad, q.dtype)
     num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
     split = num_splits > 1
     partial_out = partial_lse = counters = out  # unused without split-K

@@ -173,8 +173,8 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids [T], positions [T], attn, kv_caches) -> hidden [T, hidden_size]`` writes
     the new tokens' K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` pair per layer, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``attn.slot_mapping`` and mutates
-    nothing else. ``compute_logits(hidden [N, hidden_size]) -> fp32 [N, vocab]``: pass only the
-    rows to sample. Weights are uninitialized until ``load_weights`` (see ``engine.models.loader``).
+    nothing else. ``compute_logits(hidden [N, hidden_size], out=None) -> fp32 [N, vocab]`` (into
+    ``out`` when given): pass only the rows to sample. Weights are uninitialized until ``load_weights`` (see ``engine.models.loader``).
     """
 
     def __init__(
@@ -204,9 +204,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        logits = F.linear(hidden, head.weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_layout(self) -> dict[str, tuple[str, slice]]:
         """Hugging Face checkpoint name -> (our parameter name, rows of it the tensor fills)."""

@@ -83,7 +83,7 @@ def test_forwarded_for_is_ignored_without_trusted_proxies(spawning_gateway):
     assert line["client"] == "127.0.0.1"
 
 
-def test_engine_dying_mid_stream_ends_it_with_an_error_event(spawning_gateway):
+def test_engine_dying_mid_stream_ends_it_with_an_error_event_then_done(spawning_gateway):
     body = {"model": "tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", spawning_gateway.url + "/v1/completions", json=body, timeout=30) as resp:
         replica = resp.headers["x-kvgate-replica"]
@@ -92,7 +92,8 @@ def test_engine_dying_mid_stream_ends_it_with_an_error_event(spawning_gateway):
         (victim,) = [e for e in engines_of(spawning_gateway) if e["url"] == replica]
         os.kill(victim["pid"], signal.SIGKILL)
         events = [line for line in lines if line.startswith("data: ")]
-    error = json.loads(events[-1][len("data: "):])["error"]
+    assert events[-1] == "data: [DONE]"  # the stream still ends as every stream does
+    error = json.loads(events[-2][len("data: "):])["error"]
     assert error["type"] == "server_error" and error["code"] == "engine_error"
     assert replica in error["message"]
 

@@ -399,7 +399,7 @@ def test_decode_attention_fused(ops, group, block_size):
 def test_decode_attention_fused_split_k(ops, context_lens, extra_table_blocks, expected_splits):
     step = make_decode_step(context_lens, group=3, extra_table_blocks=extra_table_blocks)
     capacity = step.batch.block_tables.shape[1] * step.batch.k_cache.shape[1]
-    tiles = ops.attention_tiles("decode", 32, torch.float32)
+    tiles = ops.attention_tiles("fused_decode", 32, torch.float32)
     assert ops.decode_num_splits(2, 2, capacity, tiles.block_n, ops._num_sms(step.q.device)) == expected_splits
     check_decode_step(ops.decode_attention, step, ULP[torch.float32], repeats=2)
 
