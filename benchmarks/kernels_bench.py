@@ -374,13 +374,120 @@ def bench_small_ops(block_size: int, bandwidth: float) -> None:
         )
 
 
+# Decode projections of one layer: (hidden, q + 2 kv heads' width, q width, intermediate).
+GEMV_SHAPES = {"smollm2": (576, 960, 576, 1536), "llama3-8b": (4096, 6144, 4096, 14336)}
+GEMV_ROWS = (1, 2, 4)
+GEMV_SWEEP = [
+    (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 3), (4, 1024, 2, 3), (4, 1024, 4, 2), (4, 1024, 4, 4),
+    (4, 2048, 4, 2), (4, 2048, 8, 2), (8, 512, 4, 4), (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 1024, 4, 2),
+]
+
+
+def with_gemv_tiles(tiles: triton_ops.GemvTiles, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``gemv_tiles`` answering ``tiles``."""
+    chosen = triton_ops.gemv_tiles
+
+    def run():
+        triton_ops.gemv_tiles = lambda n, k, rows: tiles
+        try:
+            return fn()
+        finally:
+            triton_ops.gemv_tiles = chosen
+
+    return run
+
+
+def without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every kernel launched without programmatic dependent launch."""
+    chosen = triton_ops._pdl_args
+
+    def run():
+        triton_ops._pdl_args = lambda device: dict(USE_PDL=False)
+        try:
+            return fn()
+        finally:
+            triton_ops._pdl_args = chosen
+
+    return run
+
+
+def bench_gemv(bandwidth: float, sweep: bool) -> None:
+    """Decode-batch projections under CUDA graphs: linear/norm_linear (one GEMV launch each)
+    against the launches they replace (rms_norm, cuBLAS, silu_and_mul), per projection and as a
+    layer's chain of four (attention left out), with and without programmatic dependent launch."""
+    eps = 1e-5
+    for shape, (hidden, qkv_width, q_width, inter) in GEMV_SHAPES.items():
+        w_qkv, w_o, w_gate_up, w_down = (
+            torch.randn(n, k, dtype=DTYPE, device="cuda") / math.sqrt(k)
+            for n, k in ((qkv_width, hidden), (hidden, q_width), (2 * inter, hidden), (hidden, inter))
+        )
+        ln1, ln2 = (torch.rand(hidden, dtype=DTYPE, device="cuda") + 0.5 for _ in range(2))
+        for rows in GEMV_ROWS:
+            x, residual = (torch.randn(rows, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
+            attn = torch.randn(rows, q_width, dtype=DTYPE, device="cuda")
+            act = torch.randn(rows, inter, dtype=DTYPE, device="cuda")
+            cases = {
+                "qkv": (lambda: triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)[0],
+                        lambda: torch.nn.functional.linear(triton_ops.rms_norm(x, ln1, eps, residual)[0], w_qkv),
+                        w_qkv.numel()),
+                "o": (lambda: triton_ops.linear(attn, w_o), lambda: torch.nn.functional.linear(attn, w_o), w_o.numel()),
+                "gate_up": (lambda: triton_ops.norm_linear(x, ln2, eps, residual, w_gate_up, gated=True)[0],
+                            lambda: triton_ops.silu_and_mul(torch.nn.functional.linear(
+                                triton_ops.rms_norm(x, ln2, eps, residual)[0], w_gate_up)),
+                            w_gate_up.numel()),
+                "down": (lambda: triton_ops.linear(act, w_down), lambda: torch.nn.functional.linear(act, w_down),
+                         w_down.numel()),
+            }
+            for name, (fused, separate, weights) in cases.items():
+                roofline_us = weights * ELEMENT / bandwidth * 1e6
+                fused_us, pdl_off_us = graph_us_per_call(fused), graph_us_per_call(without_pdl(fused))
+                separate_us = graph_us_per_call(separate)
+                emit(
+                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(triton_ops.gemv_tiles(0, 0, rows)),
+                    gemv_us=round(fused_us, 2), gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2),
+                    roofline_us=round(roofline_us, 2), gemv_of_roofline=round(roofline_us / fused_us, 3),
+                    speedup=round(separate_us / fused_us, 2),
+                    max_abs_err=max_abs_err(fused(), separate()),
+                )
+                if sweep and rows == 1:
+                    for alt in GEMV_SWEEP:
+                        tiles = triton_ops.GemvTiles(*alt)
+                        alt_us = graph_us_per_call(with_gemv_tiles(tiles, fused))
+                        emit(bench="gemv_sweep", shape=shape, proj=name, rows=rows, tiles=list(tiles),
+                             gemv_us=round(alt_us, 2), gemv_of_roofline=round(roofline_us / alt_us, 3))
+
+            def chain():
+                qkv, res = triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)
+                h = triton_ops.linear(qkv[:, :q_width], w_o)
+                a, res = triton_ops.norm_linear(h, ln2, eps, res, w_gate_up, gated=True)
+                return triton_ops.linear(a, w_down)
+
+            def chain_separate():
+                normed, res = triton_ops.rms_norm(x, ln1, eps, residual)
+                qkv = torch.nn.functional.linear(normed, w_qkv)
+                h = torch.nn.functional.linear(qkv[:, :q_width], w_o)
+                normed, res = triton_ops.rms_norm(h, ln2, eps, res)
+                a = triton_ops.silu_and_mul(torch.nn.functional.linear(normed, w_gate_up))
+                return torch.nn.functional.linear(a, w_down)
+
+            weights = sum(w.numel() for w in (w_qkv, w_o, w_gate_up, w_down))
+            roofline_us = weights * ELEMENT / bandwidth * 1e6
+            fused_us, pdl_off_us = graph_us_per_call(chain), graph_us_per_call(without_pdl(chain))
+            separate_us = graph_us_per_call(chain_separate)
+            emit(
+                bench="gemv_layer_chain_graph", shape=shape, rows=rows, gemv_us=round(fused_us, 2),
+                gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2), roofline_us=round(roofline_us, 2),
+                speedup=round(separate_us / fused_us, 2), max_abs_err=max_abs_err(chain(), chain_separate()),
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative attention tiles")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative attention and GEMV tiles")
     parser.add_argument(
-        "--only", choices=("decode", "fused_decode", "prefill", "small_ops"),
+        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv"),
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
     args = parser.parse_args()
@@ -394,6 +501,7 @@ def main() -> None:
         "fused_decode": lambda: bench_fused_decode(args.block_size, args.sweep),
         "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
+        "gemv": lambda: bench_gemv(bandwidth, args.sweep),
     }
     for name, run in groups.items():
         if args.only in (None, name):

@@ -189,3 +189,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``."""
+    return F.linear(x, weight)
+
+
+def norm_linear(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    norm_weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * out_features, hidden] (gate, then up)
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
+    silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    out = linear(normed, weight)
+    return (silu_and_mul(out) if gated else out), residual

@@ -31,6 +31,8 @@ __all__ = [
     "rope_cos_sin_cache",
     "rotary_embedding",
     "silu_and_mul",
+    "linear",
+    "norm_linear",
 ]
 
 # Decided once, exactly as triton.jit decides between compiled and interpreted kernels.
@@ -513,6 +515,15 @@ def _dot_args(dtype: torch.dtype) -> dict:
     )
 
 
+def _pdl_args(device: torch.device) -> dict:
+    """USE_PDL (and the launch option) of a kernel that waits on its predecessor with
+    ``gdc_wait``: programmatic dependent launch, on sm_90 and newer, lets it start (and load what
+    does not depend on the previous kernel) while that one finishes."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return dict(USE_PDL=True, launch_pdl=True)
+    return dict(USE_PDL=False)
+
+
 def _new_rows_descriptors(
     key: torch.Tensor | None, value: torch.Tensor | None, block_n: int, head_dim_pad: int
 ) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
@@ -697,7 +708,7 @@ def _fused_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     MERGED_SPLITS: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (seq, kv head, split): RoPE on the GROUP query heads of one kv head, then
     attention over one key range. Keys before the new token come from the pages; the new token
@@ -733,6 +744,8 @@ def _fused_decode_kernel(
     signed_sin = tl.where(d < HEAD_DIM // 2, -sin, sin)
     head = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & d_ok[None, :]
+    if USE_PDL:  # what comes before is the step's inputs; q, k and v are the previous kernel's
+        tl.extra.cuda.gdc_wait()
     q_heads = q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h
     q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :])
     # Rounded to q's dtype, as rotary_embedding returns it.
@@ -770,6 +783,8 @@ def _fused_decode_kernel(
             tl.store(v_cache_ptr + dst, v_new, mask=d_ok)
         if seq_len > 0:
             acc, m_i, l_i = _attend_new_key(q, k_new, v_new, acc, m_i, l_i, scale_log2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -918,7 +933,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
         MERGED_SPLITS=_FUSED_DECODE_MERGED_SPLITS, LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS,
-        **_dot_args(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_dot_args(q.dtype), **_pdl_args(q.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 
@@ -1106,3 +1121,198 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         rows, out, d, rows.shape[1], rows.stride(0), rows.stride(1), BLOCK=block, num_warps=4,
     )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# linear, norm_linear: decode-batch GEMVs
+
+# One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
+# weight fits in L2 (the programs of the rows after the first find it there): on the H200, two or
+# four rows of SmolLM2's projections (at most 3.5 MB) ran faster than cuBLAS, of Llama 3 8B's
+# (32-117 MB) half as fast. Other batches go to cuBLAS (and the rms_norm/silu_and_mul kernels).
+GEMV_MAX_ROWS = 4
+_GEMV_L2_RESIDENT_BYTES = 8 << 20
+
+
+class GemvTiles(NamedTuple):
+    block_n: int  # output columns per program
+    block_k: int  # input features per step
+    num_warps: int
+    num_stages: int
+
+
+def gemv_tiles(n_out: int, k_in: int, rows: int) -> GemvTiles:
+    """Tile shapes of the GEMV kernel for an ``[rows, k_in] x [n_out, k_in]^T`` product. Few
+    columns and long steps keep many loads in flight on every multiprocessor: fastest of those
+    timed on the H200 for SmolLM2's and Llama 3 8B's projections (kernels_bench.py --only gemv
+    --sweep). The interpreter gets small tiles so that tiny test shapes still cross tile boundaries."""
+    if _INTERPRETED:
+        return GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=1)
+    return GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _gemv_x_tile(
+    x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """Features ``k`` of one row of the GEMV's input: ``x`` (+ ``residual``), normalized by
+    ``rstd`` and rounded to x's dtype, as rms_norm returns it."""
+    x = tl.load(x_row + k, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_row + k, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_row.dtype.element_ty)
+    if HAS_NORM:
+        weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd * weight).to(x_row.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, out_ptr, residual_out_ptr,
+    n_out, k_in, eps, x_stride, residual_stride, w_stride, out_stride,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program (column block, row): ``out[row, cols] = f(x[row]) @ w[cols]^T`` in fp32, f the
+    optional ``residual`` add and RMSNorm; GATED reads the gate rows ``cols`` and the up rows
+    ``n_out + cols`` and writes ``silu(gate) * up``. With a residual, the row's program whose
+    turn it is writes each ``BLOCK_K`` slice of ``x + residual`` to ``residual_out``. The first
+    weight tiles are loaded before waiting on the previous kernel: they do not depend on it.
+    The rows of a batch stream the same weights at once: the second row on finds them in L2."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    up_rows = w_rows + n_out.to(tl.int64) * w_stride
+    w_mask = n_ok[:, None] & (kk < k_in)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x_row = x_ptr + row * x_stride
+    residual_row = residual_ptr + row * residual_stride
+
+    rstd = 0.0
+    if HAS_NORM:
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, k_in, BLOCK_K):
+            k = k_start + kk
+            k_ok = k < k_in
+            x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, False, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if (k_start // BLOCK_K) % tl.num_programs(0) == pid:
+                    tl.store(residual_out_ptr + row * k_in + k, x, mask=k_ok)
+            xf = x.to(tl.float32)
+            sum_sq += xf * xf
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, k_in, BLOCK_K):
+        k = k_start + kk
+        k_ok = k < k_in
+        if k_start > 0:
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, HAS_NORM, HAS_RESIDUAL)
+        x = x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x
+        if GATED:
+            acc_up += up.to(tl.float32) * x
+    if USE_PDL:  # the next kernel may launch once every program is here: only the stores remain
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # Rounded to the activation dtype, as the product's output, before SiLU-and-mul.
+    y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
+    if GATED:
+        gate = y.to(tl.float32)
+        up_out = tl.sum(acc_up, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up_out).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + n, y, mask=n_ok)
+
+
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.dim() != 2 or x.dtype != weight.dtype or not (x.is_cuda or _INTERPRETED):
+        return False
+    rows = x.shape[0]
+    return rows == 1 or (
+        0 < rows <= GEMV_MAX_ROWS and weight.numel() * weight.element_size() <= _GEMV_L2_RESIDENT_BYTES
+    )
+
+
+def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor, name: str = "weight") -> None:
+    _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
+    _check_tensor(name, weight, 2, _FLOAT_DTYPES)
+    _check(
+        x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+        f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal {name}'s in_features ({weight.shape[1]})",
+    )
+    _check_last_dim_contiguous(name, weight)
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, n_out: int, *, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, k_in = x.shape
+    _check_last_dim_contiguous("x", x)
+    _check_devices(x=x, weight=weight)
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    residual_out = x
+    if residual is not None:
+        _check_last_dim_contiguous("residual", residual)
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    tiles = gemv_tiles(n_out, k_in, rows)
+    unused = x  # a pointer argument the kernel's flags leave unread
+    _gemv_kernel[(triton.cdiv(n_out, tiles.block_n), rows)](
+        x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
+        weight, out, residual_out, n_out, k_in, eps,
+        x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out, residual_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (bias-free); decode batches (up to GEMV_MAX_ROWS rows) by the GEMV kernel."""
+    _check_gemv_weight(x, weight)
+    if not _use_gemv(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    return _launch_gemv(x, weight, weight.shape[0])[0]
+
+
+def norm_linear(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    norm_weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * out_features, hidden]
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm, then ``linear`` of the normed rows, then (``gated``) silu_and_mul; returns
+    ``(out, residual)`` as rms_norm does. Decode batches take one GEMV launch for all of it."""
+    _check_gemv_weight(x, weight)
+    _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
+    if not _use_gemv(x, weight):
+        normed, residual = rms_norm(x, norm_weight, eps, residual)
+        out = torch.nn.functional.linear(normed, weight)
+        return (silu_and_mul(out) if gated else out), residual
+    _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES)
+    _check(tuple(norm_weight.shape) == (x.shape[1],), f"norm_weight must have shape ({x.shape[1]},), got {tuple(norm_weight.shape)}")
+    _check(norm_weight.is_contiguous(), "norm_weight must be contiguous")
+    if residual is not None:
+        _check(
+            isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
+            f"residual must match x ({tuple(x.shape)}, {x.dtype})",
+        )
+        _check_devices(x=x, residual=residual, norm_weight=norm_weight)
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)

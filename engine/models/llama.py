@@ -1,9 +1,10 @@
 """Llama-family decoder (SmolLM2, Llama 2/3 shapes) over the paged KV cache.
 
 RMSNorm, RoPE with the configured theta, grouped-query attention, SwiGLU, tied or untied head.
-q/k/v and gate/up are fused into one projection each; every op that touches the KV cache or is
-worth a kernel comes from the ``ops`` set (``kernels.load_ops``), so the same model runs on the
-torch reference ops and on the Triton kernels.
+q/k/v and gate/up are fused into one projection each, and each norm into the projection after it
+(with the residual add and, for gate/up, SiLU-and-mul: one GEMV launch for a decode batch). Every
+op that touches the KV cache or is worth a kernel comes from the ``ops`` set
+(``kernels.load_ops``), so the same model runs on the torch reference ops and on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from engine.config import ModelConfig
 class Linear(nn.Module):
     """Bias-free ``x @ weight.T``."""
 
-    def __init__(self, in_features: int, out_features: int, factory: dict) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: ModuleType, factory: dict) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.ops.linear(x, self.weight)
 
 
 class Embedding(nn.Module):
@@ -53,6 +55,13 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
+    def linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, gated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm (after the residual add), then the projection ``weight`` (then SiLU-and-mul
+        when ``gated``): ``(out, residual)``."""
+        return self.ops.norm_linear(x, self.weight, self.eps, residual, weight, gated)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
@@ -64,20 +73,21 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, factory)
-        self.o_proj = Linear(self.q_size, config.hidden_size, factory)
+        # applied by the input norm (RMSNorm.linear)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, ops, factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, ops, factory)
 
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        qkv: torch.Tensor,
         attn: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -98,14 +108,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The SwiGLU weights: gate/up is applied, with SiLU-and-mul, by the post-attention norm."""
+
     def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
         super().__init__()
-        self.ops = ops
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, factory)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, factory)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, ops, factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, ops, factory)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,11 +135,14 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the next norm: (normed, residual) pairs flow between layers.
-        normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, normed, attn, *kv_cache, cos_sin_cache)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        # The residual add is fused into the next norm, and the norm into the projection after it:
+        # (hidden, residual) pairs flow between layers.
+        qkv, residual = self.input_layernorm.linear(hidden, residual, self.self_attn.qkv_proj.weight)
+        hidden = self.self_attn(positions, qkv, attn, *kv_cache, cos_sin_cache)
+        act, residual = self.post_attention_layernorm.linear(
+            hidden, residual, self.mlp.gate_up_proj.weight, gated=True
+        )
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):
@@ -191,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ops, factory)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, factory)
+            else Linear(config.hidden_size, config.vocab_size, ops, factory)
         )
         self.requires_grad_(False)
 
