@@ -107,7 +107,7 @@ class DecodeGraphs:
         )
         hidden = self.model(self._ids[0, :batch_size], self._ids[1, :batch_size], attn, self.kv_caches)
         logits = self.model.compute_logits(hidden, out=self._logits[:batch_size])
-        return DecodeOutput(logits, logits.argmax(-1))
+        return DecodeOutput(logits, self.model.ops.argmax(logits))
 
     def capture(self) -> int:
         """Capture every bucket at every context bound, largest first, into one pool; returns

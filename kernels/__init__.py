@@ -9,7 +9,7 @@ BACKENDS = ("torch", "triton")
 
 def load_ops(backend: str) -> ModuleType:
     """The op set of ``backend``: a module exposing store_kv, paged_attention, decode_attention,
-    rms_norm, rope_cos_sin_cache, rotary_embedding, silu_and_mul, linear and norm_linear."""
+    rms_norm, rope_cos_sin_cache, rotary_embedding, silu_and_mul, linear, norm_linear and argmax."""
     if backend == "torch":
         from kernels import reference
 

@@ -209,3 +209,8 @@ def norm_linear(
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     out = linear(normed, weight)
     return (silu_and_mul(out) if gated else out), residual
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first, on ties): ``[rows, vocab] -> [rows]`` int64."""
+    return logits.argmax(-1)

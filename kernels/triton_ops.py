@@ -33,6 +33,7 @@ __all__ = [
     "silu_and_mul",
     "linear",
     "norm_linear",
+    "argmax",
 ]
 
 # Decided once, exactly as triton.jit decides between compiled and interpreted kernels.
@@ -821,25 +822,30 @@ def _fused_decode_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-# Per device: one arrival counter per (seq, kv head) of a split-K decode_attention launch.
+# Per device: the arrival counters of the kernels whose last program merges the others' partials
+# (split-K decode_attention: one per (seq, kv head); argmax: one per row).
 _ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_ARRIVAL_COUNTERS = 1024
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K arrival counters: zeroed once, then left at 0 by every launch (its
-    last program resets them), so no launch needs a memset and CUDA graph replays find them
-    ready. decode_num_splits splits only grids of fewer (seq, kv head) pairs than
-    ``_DECODE_PROGRAMS_PER_SM * num_sms``: that many counters always suffice. Shared by every
-    launch on the device: two launches must not run at once (on two streams)."""
+def _arrival_counters(device: torch.device, needed: int, op: str) -> torch.Tensor:
+    """The device's arrival counters (``needed`` of them for this launch): zeroed once, then left
+    at 0 by every launch (its last program resets them), so no launch needs a memset and CUDA
+    graph replays find them ready. There are ``_MIN_ARRIVAL_COUNTERS``, and at least
+    ``_DECODE_PROGRAMS_PER_SM * num_sms``: decode_num_splits splits only grids of fewer
+    (seq, kv head) pairs. Shared by every launch on the device: two launches must not run at
+    once (on two streams)."""
     counters = _ARRIVAL_COUNTERS.get(device)
     if counters is None:
         _check(
             device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-            "decode_attention's counters would be allocated inside a CUDA graph capture: "
+            f"{op}'s counters would be allocated inside a CUDA graph capture: "
             "call it once on the device before capturing",
         )
-        counters = torch.zeros(_DECODE_PROGRAMS_PER_SM * _num_sms(device), dtype=torch.int32, device=device)
+        count = max(_MIN_ARRIVAL_COUNTERS, _DECODE_PROGRAMS_PER_SM * _num_sms(device))
+        counters = torch.zeros(count, dtype=torch.int32, device=device)
         _ARRIVAL_COUNTERS[device] = counters
+    _check(needed <= counters.numel(), f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are")
     return counters
 
 
@@ -914,11 +920,7 @@ def decode_attention(
     split = num_splits > 1
     partial_out = partial_lse = counters = out  # unused without split-K
     if split:
-        counters = _arrival_counters(q.device)
-        _check(
-            num_seqs * num_kv_heads <= counters.numel(),
-            f"{num_seqs * num_kv_heads} split (seq, kv head) pairs exceed {counters.numel()} counters",
-        )
+        counters = _arrival_counters(q.device, num_seqs * num_kv_heads, "decode_attention")
         partial_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
@@ -1316,3 +1318,67 @@ def norm_linear(
         _check_devices(x=x, residual=residual, norm_weight=norm_weight)
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
+
+
+# --------------------------------------------------------------------------------------------
+# argmax
+
+_ARGMAX_BLOCK = 4096  # values per program
+_ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
+
+
+@triton.jit(do_not_specialize=["width"])
+def _argmax_kernel(
+    x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride,
+    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):
+    """Program (row, chunk): the chunk's largest value and its first index, written as a
+    partial; the row's last program to arrive merges the partials (the largest value, then the
+    smallest index) and resets the row's counter to 0 for the next launch."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=cols < width, other=float("-inf"))
+    best = tl.max(x, 0)
+    best_idx = tl.min(tl.where(x == best, cols, width), 0)
+    if num_chunks == 1:
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+        return
+    partial = row * num_chunks + chunk
+    tl.store(partial_val_ptr + partial, best)
+    tl.store(partial_idx_ptr + partial, best_idx)
+    counter = counters_ptr + row
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_chunks - 1:
+        c = tl.arange(0, CHUNKS_PAD)
+        c_ok = c < num_chunks
+        vals = tl.load(partial_val_ptr + row * num_chunks + c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(partial_idx_ptr + row * num_chunks + c, mask=c_ok, other=0, cache_modifier=".cg")
+        top = tl.max(vals, 0)
+        tl.store(out_ptr + row, tl.min(tl.where(c_ok & (vals == top), idxs, width), 0).to(tl.int64))
+        tl.store(counter, 0)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first, on ties), as ``torch.argmax(-1)``, in
+    one launch: chunks of a row reduce in parallel and the last to finish merges them. No host
+    sync: it may be captured in a CUDA graph once it has run eagerly on the device."""
+    _check_tensor("logits", logits, 2, _FLOAT_DTYPES)
+    _check_last_dim_contiguous("logits", logits)
+    _check_devices(logits=logits)
+    rows, width = logits.shape
+    _check(width > 0, "logits must have at least one column")
+    num_chunks = triton.cdiv(width, _ARGMAX_BLOCK)
+    _check(num_chunks <= _ARGMAX_MAX_CHUNKS, f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    counters = _arrival_counters(logits.device, rows, "argmax")
+    partial_val = torch.empty((rows, num_chunks), dtype=logits.dtype, device=logits.device)
+    partial_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+    _argmax_kernel[(rows, num_chunks)](
+        logits, out, partial_val, partial_idx, counters, width, logits.stride(0),
+        BLOCK=_ARGMAX_BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
+    )
+    return out

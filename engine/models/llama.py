@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         factory = {"device": torch.device(device), "dtype": dtype}
         self.config = config
+        self.ops = ops
         self.model = LlamaModel(config, ops, factory)
         self.lm_head = (
             None if config.tie_word_embeddings

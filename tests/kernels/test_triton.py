@@ -627,12 +627,29 @@ def test_gemv_rejects_bad_inputs(ops):
         ops.norm_linear(x, norm_weight, 1e-5, residual.half(), weight)
 
 
+@pytest.mark.parametrize("rows, width", [(1, 5), (3, 4096 * 3 + 17)], ids=["one-chunk", "four-chunks"])
+def test_argmax(ops, rows, width):
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(ops.argmax(logits), reference.argmax(logits))
+    logits[:, [7 % width, width - 1]] = 100.0  # a tie, across chunks when there are several: the first wins
+    logits[-1] = float("-inf")  # nothing but -inf: index 0, as torch
+    assert torch.equal(ops.argmax(logits), reference.argmax(logits))
+    assert torch.equal(ops.argmax(logits), reference.argmax(logits))  # the counters were reset
+
+
+def test_argmax_rejects_bad_inputs(ops):
+    with pytest.raises(ValueError, match="logits must have 2 dims"):
+        ops.argmax(torch.randn(8))
+    with pytest.raises(ValueError, match="rows wider than"):
+        ops.argmax(torch.randn(1, 64 * 4096 + 1))
+
+
 def test_load_ops_triton():
     ops = load_ops("triton")
     assert ops is triton_ops
     names = (
         "store_kv", "paged_attention", "decode_attention", "rms_norm", "rope_cos_sin_cache",
-        "rotary_embedding", "silu_and_mul", "linear", "norm_linear",
+        "rotary_embedding", "silu_and_mul", "linear", "norm_linear", "argmax",
     )
     for name in names:
         assert callable(getattr(ops, name)), name
@@ -864,3 +881,12 @@ def test_gpu_gemv_chain_in_cuda_graph():
         torch.cuda.synchronize()
         for got, want in zip(outs, expected):
             assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("rows, width", [(1, 49152), (64, 128256), (3, 1000)])
+def test_gpu_argmax(rows, width):
+    logits = torch.randn(rows, width, device="cuda")
+    assert torch.equal(triton_ops.argmax(logits), reference.argmax(logits))
+    logits[:, [5, width - 1]] = 50.0
+    assert torch.equal(triton_ops.argmax(logits), reference.argmax(logits))
