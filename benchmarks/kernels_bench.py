@@ -6,7 +6,8 @@ intermediate 14336, bf16). Times are medians of ``triton.testing.do_bench`` (L2 
 each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth`` B/s. The
 ``fused_decode_attention_graph`` rows time one decode layer's attention (SmolLM2 and Llama-3-8B
 shapes) as decode_attention against rotary_embedding + store_kv + paged_attention, inside CUDA
-graphs, as the engine replays decode steps.
+graphs, as the engine replays decode steps; the ``gemv`` rows time the decode projections
+(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches.
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
@@ -210,6 +211,23 @@ def graph_us_per_call(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * GRAPH_LAYER_CALLS)
 
 
+def decode_cache(batch: int, num_kv_heads: int, head_dim: int, capacity: int, context: int, block_size: int):
+    """A decode step's paged KV cache and inputs: ``batch`` sequences of ``context`` tokens (the
+    last one new), their blocks scattered over the pool, the block table ``capacity`` wide.
+    Returns (k_cache, v_cache, block_tables, slot_mapping, positions, seq_lens)."""
+    blocks_per_seq = math.ceil(context / block_size)
+    cache_shape = (batch * blocks_per_seq + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
+    tables = torch.zeros((batch, capacity // block_size), dtype=torch.int32, device="cuda")
+    tables[:, :blocks_per_seq] = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, -1)
+    last = context - 1
+    slots = (tables[:, last // block_size] * block_size + last % block_size).long()
+    positions = torch.full((batch,), last, dtype=torch.int64, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, tables, slots, positions, seq_lens
+
+
 def bench_fused_decode(block_size: int, sweep: bool) -> None:
     """One attention layer of a decode step, both ways, under CUDA graphs."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -217,17 +235,9 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
         for batch in FUSED_DECODE_BATCHES:
             for context in FUSED_DECODE_CONTEXTS:
                 capacity = max(max_model_len, context)
-                blocks_per_seq = math.ceil(context / block_size)
-                cache_shape = (batch * blocks_per_seq + 1, block_size, num_kv_heads, head_dim)
-                k_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
-                v_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
-                # Each sequence's blocks scattered over the pool; the table full width (capacity).
-                tables = torch.zeros((batch, capacity // block_size), dtype=torch.int32, device="cuda")
-                tables[:, :blocks_per_seq] = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, -1)
-                last = context - 1
-                slots = (tables[:, last // block_size] * block_size + last % block_size).long()
-                positions = torch.full((batch,), last, dtype=torch.int64, device="cuda")
-                seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                k_cache, v_cache, tables, slots, positions, seq_lens = decode_cache(
+                    batch, num_kv_heads, head_dim, capacity, context, block_size
+                )
                 query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
                 qkv = torch.randn((batch, (num_heads + 2 * num_kv_heads) * head_dim), dtype=DTYPE, device="cuda")
                 q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
@@ -376,6 +386,7 @@ def bench_small_ops(block_size: int, bandwidth: float) -> None:
 
 # Decode projections of one layer: (hidden, q + 2 kv heads' width, q width, intermediate).
 GEMV_SHAPES = {"smollm2": (576, 960, 576, 1536), "llama3-8b": (4096, 6144, 4096, 14336)}
+LAYER_CONTEXT = 640  # the decode_layer_graph rows: one sequence this long, as decode_profile's
 GEMV_ROWS = (1, 2, 4)
 GEMV_SWEEP = [
     (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 3), (4, 1024, 2, 3), (4, 1024, 4, 2), (4, 1024, 4, 4),
@@ -414,7 +425,8 @@ def without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
 def bench_gemv(bandwidth: float, sweep: bool) -> None:
     """Decode-batch projections under CUDA graphs: linear/norm_linear (one GEMV launch each)
     against the launches they replace (rms_norm, cuBLAS, silu_and_mul), per projection and as a
-    layer's chain of four (attention left out), with and without programmatic dependent launch."""
+    layer's chain of four (attention left out), with and without programmatic dependent launch;
+    then a whole batch-1 decoder layer (the four and decode_attention), with and without it."""
     eps = 1e-5
     for shape, (hidden, qkv_width, q_width, inter) in GEMV_SHAPES.items():
         w_qkv, w_o, w_gate_up, w_down = (
@@ -479,6 +491,32 @@ def bench_gemv(bandwidth: float, sweep: bool) -> None:
                 gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2), roofline_us=round(roofline_us, 2),
                 speedup=round(separate_us / fused_us, 2), max_abs_err=max_abs_err(chain(), chain_separate()),
             )
+
+        # A whole decoder layer of a batch-1 decode step, as the engine's graphs replay it.
+        num_heads, num_kv_heads, head_dim, capacity = FUSED_DECODE_SHAPES[shape]
+        k_cache, v_cache, tables, slots, positions, seq_lens = decode_cache(
+            1, num_kv_heads, head_dim, capacity, LAYER_CONTEXT, 16
+        )
+        cos_sin = reference.rope_cos_sin_cache(head_dim, capacity, 10000.0, device="cuda")
+        x, residual = (torch.randn(1, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
+        kv_width = num_kv_heads * head_dim
+
+        def layer():
+            qkv, res = triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)
+            q, k, v = qkv.split([q_width, kv_width, kv_width], -1)
+            attn = triton_ops.decode_attention(
+                positions, q.view(1, num_heads, head_dim), k.view(1, num_kv_heads, head_dim),
+                v.view(1, num_kv_heads, head_dim), cos_sin, k_cache, v_cache, slots, tables, seq_lens,
+                head_dim**-0.5, [LAYER_CONTEXT],
+            )
+            h = triton_ops.linear(attn.view(1, q_width), w_o)
+            a, res = triton_ops.norm_linear(h, ln2, eps, res, w_gate_up, gated=True)
+            return triton_ops.linear(a, w_down)
+
+        emit(
+            bench="decode_layer_graph", shape=shape, rows=1, context=LAYER_CONTEXT,
+            layer_us=round(graph_us_per_call(layer), 2), no_pdl_us=round(graph_us_per_call(without_pdl(layer)), 2),
+        )
 
 
 def main() -> None:

@@ -519,7 +519,9 @@ def _dot_args(dtype: torch.dtype) -> dict:
 def _pdl_args(device: torch.device) -> dict:
     """USE_PDL (and the launch option) of a kernel that waits on its predecessor with
     ``gdc_wait``: programmatic dependent launch, on sm_90 and newer, lets it start (and load what
-    does not depend on the previous kernel) while that one finishes."""
+    does not depend on the previous kernel) while that one finishes. Such a kernel lets the next
+    one launch once its own loads are issued: launched earlier (right after the wait), the next
+    kernel's waiting programs slowed a SmolLM2 decode layer from 13.6 to 14.4 us on the H200."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
         return dict(USE_PDL=True, launch_pdl=True)
     return dict(USE_PDL=False)
@@ -1272,7 +1274,8 @@ def _launch_gemv(
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     tiles = gemv_tiles(n_out, k_in, rows)
     unused = x  # a pointer argument the kernel's flags leave unread
-    _gemv_kernel[(triton.cdiv(n_out, tiles.block_n), rows)](
+    grid = (triton.cdiv(n_out, tiles.block_n), rows)
+    _gemv_kernel[grid](
         x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
         weight, out, residual_out, n_out, k_in, eps,
         x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
