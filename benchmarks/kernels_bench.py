@@ -395,15 +395,15 @@ GEMV_SWEEP = [
 
 
 def with_gemv_tiles(tiles: triton_ops.GemvTiles, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with ``gemv_tiles`` answering ``tiles``."""
-    chosen = triton_ops.gemv_tiles
+    """``fn`` run with the GEMV kernel on ``tiles``."""
+    chosen = triton_ops.GEMV_TILES
 
     def run():
-        triton_ops.gemv_tiles = lambda n, k, rows: tiles
+        triton_ops.GEMV_TILES = tiles
         try:
             return fn()
         finally:
-            triton_ops.gemv_tiles = chosen
+            triton_ops.GEMV_TILES = chosen
 
     return run
 
@@ -455,7 +455,7 @@ def bench_gemv(bandwidth: float, sweep: bool) -> None:
                 fused_us, pdl_off_us = graph_us_per_call(fused), graph_us_per_call(without_pdl(fused))
                 separate_us = graph_us_per_call(separate)
                 emit(
-                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(triton_ops.gemv_tiles(0, 0, rows)),
+                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(triton_ops.GEMV_TILES),
                     gemv_us=round(fused_us, 2), gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2),
                     roofline_us=round(roofline_us, 2), gemv_of_roofline=round(roofline_us / fused_us, 3),
                     speedup=round(separate_us / fused_us, 2),

@@ -1145,14 +1145,13 @@ class GemvTiles(NamedTuple):
     num_stages: int
 
 
-def gemv_tiles(n_out: int, k_in: int, rows: int) -> GemvTiles:
-    """Tile shapes of the GEMV kernel for an ``[rows, k_in] x [n_out, k_in]^T`` product. Few
-    columns and long steps keep many loads in flight on every multiprocessor: fastest of those
-    timed on the H200 for SmolLM2's and Llama 3 8B's projections (kernels_bench.py --only gemv
-    --sweep). The interpreter gets small tiles so that tiny test shapes still cross tile boundaries."""
-    if _INTERPRETED:
-        return GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=1)
-    return GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+# Few columns and long steps keep many loads in flight on every multiprocessor: the fastest of
+# those timed on the H200 for SmolLM2's and Llama 3 8B's projections (kernels_bench.py --only
+# gemv --sweep). The interpreter gets small tiles so that tiny test shapes cross tile boundaries.
+GEMV_TILES = (
+    GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=1) if _INTERPRETED
+    else GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+)
 
 
 @triton.jit
@@ -1250,14 +1249,14 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor, name: str = "weight") -> None:
+def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
     _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
-    _check_tensor(name, weight, 2, _FLOAT_DTYPES)
+    _check_tensor("weight", weight, 2, _FLOAT_DTYPES)
     _check(
         x.dim() >= 1 and x.shape[-1] == weight.shape[1],
-        f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal {name}'s in_features ({weight.shape[1]})",
+        f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal weight's in_features ({weight.shape[1]})",
     )
-    _check_last_dim_contiguous(name, weight)
+    _check_last_dim_contiguous("weight", weight)
 
 
 def _launch_gemv(
@@ -1272,22 +1271,22 @@ def _launch_gemv(
     if residual is not None:
         _check_last_dim_contiguous("residual", residual)
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    tiles = gemv_tiles(n_out, k_in, rows)
     unused = x  # a pointer argument the kernel's flags leave unread
-    grid = (triton.cdiv(n_out, tiles.block_n), rows)
+    grid = (triton.cdiv(n_out, GEMV_TILES.block_n), rows)
     _gemv_kernel[grid](
         x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
         weight, out, residual_out, n_out, k_in, eps,
         x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_N=GEMV_TILES.block_n, BLOCK_K=GEMV_TILES.block_k, **_pdl_args(x.device),
+        num_warps=GEMV_TILES.num_warps, num_stages=GEMV_TILES.num_stages,
     )
     return out, residual_out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (bias-free); decode batches (up to GEMV_MAX_ROWS rows) by the GEMV kernel."""
+    """``x @ weight.T`` (bias-free); decode batches (one row, or up to GEMV_MAX_ROWS with a weight
+    that fits in L2) by the GEMV kernel."""
     _check_gemv_weight(x, weight)
     if not _use_gemv(x, weight):
         return torch.nn.functional.linear(x, weight)
