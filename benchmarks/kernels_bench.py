@@ -259,7 +259,8 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
                         positions, q, k, v, cos_sin, k_cache, v_cache, slots, tables, seq_lens, scale, lens_cpu,
                     )
 
-                tiles = triton_ops.attention_tiles("fused_decode", head_dim, DTYPE)
+                kind = triton_ops.fused_decode_kind(batch)
+                tiles = triton_ops.attention_tiles(kind, head_dim, DTYPE)
                 splits = triton_ops.decode_num_splits(batch, num_kv_heads, capacity, tiles.block_n, num_sms)
                 separate_us, fused_us = graph_us_per_call(three_launches), graph_us_per_call(fused)
                 emit(
@@ -274,7 +275,7 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
                         alt = triton_ops.AttentionTiles(1, block_n, num_warps, num_stages)
                         emit(
                             bench="fused_decode_attention_sweep", shape=shape, batch=batch, context=context,
-                            tiles=list(alt), fused_us=round(graph_us_per_call(with_tiles("fused_decode", alt, fused)), 2),
+                            tiles=list(alt), fused_us=round(graph_us_per_call(with_tiles(kind, alt, fused)), 2),
                         )
 
 

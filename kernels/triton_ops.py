@@ -460,14 +460,18 @@ class AttentionTiles(NamedTuple):
 
 
 def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> AttentionTiles:
-    """Tile shapes for ``kind`` ("decode", "fused_decode" or "prefill"), sized to stay clear of
-    register spills on sm_90. The interpreter gets small tiles so that tiny test shapes still
-    cross tile and page boundaries."""
+    """Tile shapes for ``kind`` ("decode", "fused_decode", "fused_decode_one" — a single
+    sequence — or "prefill"), sized to stay clear of register spills on sm_90. The interpreter
+    gets small tiles so that tiny test shapes still cross tile and page boundaries."""
     if _INTERPRETED:
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    if kind in ("decode", "fused_decode"):
+    if kind in ("decode", "fused_decode", "fused_decode_one"):
         if dtype == torch.float32 or head_dim_pad > 128:
             return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
+        if kind == "fused_decode_one":
+            # A single sequence has few programs: longer steps (and for 64-wide heads, more warps)
+            # were up to 1.2x faster on the H200 at 512-2K tokens (kernels_bench.py --sweep).
+            return AttentionTiles(block_m=1, block_n=128, num_warps=8 if head_dim_pad <= 64 else 4, num_stages=2)
         # The fused kernel holds more in registers and runs at short contexts (a few tiles a
         # split): two stages beat three there on the H200 (kernels_bench.py --sweep), by up to
         # 1.4x at batch 64; the split-K kernel keeps three for long contexts.
@@ -481,6 +485,11 @@ def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> Attenti
     # Fastest on the H200 of BLOCK_M 64/128 x BLOCK_N 64/128 x 2-5 stages, through the block
     # table and by TMA; three stages of 128-key K/V tiles fill 225 of sm_90's 227 KB of shared memory.
     return AttentionTiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def fused_decode_kind(num_seqs: int) -> str:
+    """The ``attention_tiles`` kind of a decode_attention launch over ``num_seqs`` sequences."""
+    return "fused_decode_one" if num_seqs == 1 else "fused_decode"
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
@@ -917,7 +926,7 @@ def decode_attention(
     if num_seqs == 0:
         return out
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tiles = attention_tiles("fused_decode", head_dim_pad, q.dtype)
+    tiles = attention_tiles(fused_decode_kind(num_seqs), head_dim_pad, q.dtype)
     num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
     split = num_splits > 1
     partial_out = partial_lse = counters = out  # unused without split-K
