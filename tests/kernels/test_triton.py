@@ -615,6 +615,21 @@ def test_norm_linear(ops, dtype, rows, n_out, k_in, gated, with_residual):
     assert_close(out, expected, rtol=(4 if gated else 2) * ULP[dtype], atol=2 * ULP[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_strided_rows(ops, rows):
+    """Row-strided inputs (a slice of a fused projection's output, as q of qkv) need no copy."""
+    x, residual, norm_weight, weight = gemv_inputs(rows, 40, 72, torch.float32)
+    wide = torch.randn(rows, 100)
+    wide[:, 10:82] = x
+    strided = wide[:, 10:82]
+    assert strided.stride(0) == 100
+    assert_close(ops.linear(strided, weight), reference.linear(x, weight), rtol=2 * ULP[torch.float32])
+    out, new_residual = ops.norm_linear(strided, norm_weight, 1e-5, residual, weight, gated=True)
+    expected, expected_residual = reference.norm_linear(x, norm_weight, 1e-5, residual, weight, gated=True)
+    assert_close(out, expected, rtol=4 * ULP[torch.float32])
+    assert torch.equal(new_residual, expected_residual)
+
+
 def test_gemv_rejects_bad_inputs(ops):
     x, residual, norm_weight, weight = gemv_inputs(2, 16, 32, torch.float32)
     with pytest.raises(ValueError, match="must equal weight's in_features"):
