@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        # applied by the input norm (RMSNorm.linear)
+        # qkv_proj is applied by the input norm (RMSNorm.linear)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, ops, factory)
         self.o_proj = Linear(self.q_size, config.hidden_size, ops, factory)
 
