@@ -75,6 +75,10 @@ class DecodeGraphs:
         self._np_ids, self._np_seq_lens, self._np_tables = (
             self._host_ids.numpy(), self._host_seq_lens.numpy(), self._host_tables.numpy()
         )
+        # Per staging row: the block list it was filled from and how many of its ids it holds. A
+        # sequence's list only grows while the sequence holds its blocks (freeing them replaces
+        # the list), so a row is rewritten only from where it changed.
+        self._table_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_batch_size
         self._ids = torch.zeros((3, width), dtype=torch.int64, device=device)
         self._ids[2].fill_(-1)
         self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
@@ -144,7 +148,12 @@ class DecodeGraphs:
             ids[1, i] = pos
             ids[2, i] = blocks[pos // bs] * bs + pos % bs
             seq_lens[i] = pos + 1
-            tables[i, : len(blocks)] = blocks
+            held, written = self._table_rows[i]
+            if held is not blocks:
+                written = 0
+            if written < len(blocks):
+                tables[i, written : len(blocks)] = blocks[written:]
+                self._table_rows[i] = (blocks, len(blocks))
         key = self.graph_key(n, int(seq_lens[:n].max()))
         batch_size = key[0]
         ids[:2, n:batch_size] = 0

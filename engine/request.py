@@ -52,6 +52,8 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # Only extended while the blocks are held; freeing them replaces the list (DecodeGraphs
+        # copies a row of its block table only from where the list it knows grew).
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None

@@ -82,6 +82,33 @@ def test_context_bounds_pick_the_graph_and_agree(tiny):
     torch.testing.assert_close(longest, short, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_decode_block_table_rows_follow_their_sequences(tiny):
+    """A staging row is rewritten from where its sequence's block list grew, and whole when the
+    row holds another sequence or the list was replaced (blocks freed and allocated again)."""
+    core = tiny_core(tiny)
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        core.add_request(GenerateRequest(f"r{i}", list(range(10, 17 + 4 * i)), sampling))
+    core.step()
+    a, b = (seq for seq, _ in core.scheduler.schedule().scheduled)
+    graphs = padded_graphs(core)
+
+    def table_rows(n):
+        return graphs._tables[:n].tolist()
+
+    graphs.run([a, b])
+    assert [row[: len(s.block_ids)] for row, s in zip(table_rows(2), (a, b))] == [a.block_ids, b.block_ids]
+    a.block_ids.append(63)  # grown in place: only the new entry is written
+    graphs.run([a, b])
+    assert table_rows(1)[0][: len(a.block_ids)] == a.block_ids
+    graphs.run([b, a])  # rows swap sequences
+    assert [row[: len(s.block_ids)] for row, s in zip(table_rows(2), (b, a))] == [b.block_ids, a.block_ids]
+    a.block_ids = [60 - i for i in range(len(a.block_ids))]  # replaced at the same length, as when
+    graphs.run([b, a])  # freed and allocated again
+    assert table_rows(2)[1][: len(a.block_ids)] == a.block_ids
+
+
 def test_engine_tokens_with_padded_decode_graphs(tiny):
     """Tokens of a batch whose size changes as requests finish are the eager engine's: plain
     greedy batches (the graph's argmax) and batches with a seeded sampled row and a penalized
