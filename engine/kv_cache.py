@@ -180,6 +180,8 @@ class KVCacheManager:
         when that block would have to be the entry's own, the sequence takes the entry's block over
         instead. Returns the new blocks. On None nothing has changed.
         """
+        if prefix is None and self.blocks_needed(seq.num_computed_tokens + num_new_tokens) <= len(seq.block_ids):
+            return []  # the common decode step: its token fits in the last block
         if prefix is not None and seq.block_ids:
             raise ValueError("a prefix only applies to a sequence that holds no blocks")
         cached_blocks = prefix.blocks if prefix is not None else []
@@ -311,6 +313,8 @@ class KVCacheManager:
 
     def _cache_boundaries(self, seq: Sequence) -> None:
         bounds = seq.cache_boundaries
+        if not bounds:
+            return
         seen = self._boundaries_seen.get(seq.key, 0)
         while seen < len(bounds) and bounds[seen] <= seq.num_computed_tokens:
             end = bounds[seen]
