@@ -10,6 +10,10 @@ from engine.core import EngineCore
 from engine.protocol import OutputFrame, ProtocolError, parse_generate_request
 
 
+# The fields of a line that belong to the request; every other one is a sampling field.
+REQUEST_FIELDS = ("prompt_ids", "salt", "cache_boundaries")
+
+
 def _parse_line(core: EngineCore, line: str, index: int):
     try:
         obj = json.loads(line)
@@ -17,9 +21,8 @@ def _parse_line(core: EngineCore, line: str, index: int):
         raise ProtocolError(f"line {index + 1} is not valid JSON: {exc.msg}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"line {index + 1} must be a JSON object")
-    wire = {"request_id": f"offline-{index}", "sampling": {k: v for k, v in obj.items() if k != "prompt_ids"}}
-    if "prompt_ids" in obj:
-        wire["prompt_ids"] = obj["prompt_ids"]
+    wire = {"request_id": f"offline-{index}", "sampling": {k: v for k, v in obj.items() if k not in REQUEST_FIELDS}}
+    wire.update((k, obj[k]) for k in REQUEST_FIELDS if k in obj)
     if "logit_bias" in wire["sampling"] and isinstance(wire["sampling"]["logit_bias"], dict):
         try:  # JSON object keys are strings
             wire["sampling"]["logit_bias"] = {int(k): v for k, v in wire["sampling"]["logit_bias"].items()}

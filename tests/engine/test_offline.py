@@ -43,6 +43,27 @@ def test_generate_answers_each_line_in_order_and_bad_lines_alone():
     assert start["cpu_threads"] == 1
 
 
+def test_generate_lines_carry_salt_and_cache_boundaries():
+    """A line's salt and cache boundaries reach the engine as the sidecar's request fields do;
+    bad ones are that line's error."""
+    import io
+
+    from engine.offline import run_offline
+
+    core = EngineCore.from_config(EngineConfig(model="tiny", load_format="dummy", device="cpu", num_kv_blocks=64))
+    prompt = list(range(300, 340))
+    base = {"prompt_ids": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    lines = [json.dumps(base | extra) for extra in (
+        {}, {"salt": "tenant-a", "cache_boundaries": [7, 21]}, {"salt": 3}, {"cache_boundaries": [500]},
+    )]
+    out = io.StringIO()
+    run_offline(core, lines, out)
+    plain, hinted, bad_salt, bad_bounds = map(json.loads, out.getvalue().splitlines())
+    assert hinted == plain and len(plain["token_ids"]) == 4
+    assert bad_salt["error"]["param"] == "salt"
+    assert bad_bounds["error"]["param"] == "cache_boundaries"
+
+
 def test_bad_cpu_threads_exits_2_naming_the_flag():
     done = generate([], *FLAGS[:-1], "0")
     assert done.returncode == 2 and "--cpu-threads must be at least 1" in done.stderr
