@@ -136,18 +136,24 @@ def causal_flops(context_lens: list[int], query_lens: list[int]) -> int:
     return 4 * pairs * NUM_HEADS * HEAD_DIM
 
 
-def with_tiles(kind: str, tiles: triton_ops.AttentionTiles, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with ``attention_tiles`` answering ``tiles`` for ``kind``."""
-    chosen = triton_ops.attention_tiles
+def patched(name: str, value: object, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``triton_ops.<name>`` set to ``value``."""
 
     def run():
-        triton_ops.attention_tiles = lambda k, d, t: tiles if k == kind else chosen(k, d, t)
+        chosen = getattr(triton_ops, name)
+        setattr(triton_ops, name, value)
         try:
             return fn()
         finally:
-            triton_ops.attention_tiles = chosen
+            setattr(triton_ops, name, chosen)
 
     return run
+
+
+def with_tiles(kind: str, tiles: triton_ops.AttentionTiles, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``attention_tiles`` answering ``tiles`` for ``kind``."""
+    chosen = triton_ops.attention_tiles
+    return patched("attention_tiles", lambda k, d, t: tiles if k == kind else chosen(k, d, t), fn)
 
 
 def bench_copy_bandwidth() -> float:
@@ -397,30 +403,12 @@ GEMV_SWEEP = [
 
 def with_gemv_tiles(tiles: triton_ops.GemvTiles, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with the GEMV kernel on ``tiles``."""
-    chosen = triton_ops.GEMV_TILES
-
-    def run():
-        triton_ops.GEMV_TILES = tiles
-        try:
-            return fn()
-        finally:
-            triton_ops.GEMV_TILES = chosen
-
-    return run
+    return patched("GEMV_TILES", tiles, fn)
 
 
 def without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with every kernel launched without programmatic dependent launch."""
-    chosen = triton_ops._pdl_args
-
-    def run():
-        triton_ops._pdl_args = lambda device: dict(USE_PDL=False)
-        try:
-            return fn()
-        finally:
-            triton_ops._pdl_args = chosen
-
-    return run
+    return patched("_pdl_args", lambda device: dict(USE_PDL=False), fn)
 
 
 def bench_gemv(bandwidth: float, sweep: bool) -> None:

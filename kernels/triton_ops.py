@@ -979,6 +979,22 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * width + cols, (xf * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, name: str) -> None:
+    """An RMSNorm's weight (``name``) and optional residual, for rows ``x``."""
+    width = x.shape[-1]
+    _check_tensor(name, weight, 1, _FLOAT_DTYPES)
+    _check(tuple(weight.shape) == (width,), f"{name} must have shape ({width},), got {tuple(weight.shape)}")
+    _check(weight.is_contiguous(), f"{name} must be contiguous")
+    if residual is None:
+        _check_devices(x=x, **{name: weight})
+        return
+    _check(
+        isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
+        f"residual must match x ({tuple(x.shape)}, {x.dtype})",
+    )
+    _check_devices(x=x, residual=residual, **{name: weight})
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden] (any leading dims; last dim contiguous)
     weight: torch.Tensor,
@@ -991,19 +1007,8 @@ def rms_norm(
     rows = _as_rows(x, "x")
     width = x.shape[-1]
     _check(width <= _MAX_ROW_WIDTH, f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
-    _check_tensor("weight", weight, 1, _FLOAT_DTYPES)
-    _check(tuple(weight.shape) == (width,), f"weight must have shape ({width},), got {tuple(weight.shape)}")
-    _check(weight.is_contiguous(), "weight must be contiguous")
-    residual_rows = rows
-    if residual is not None:
-        _check(
-            isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
-            f"residual must match x ({tuple(x.shape)}, {x.dtype})",
-        )
-        residual_rows = _as_rows(residual, "residual")
-        _check_devices(x=x, residual=residual, weight=weight)
-    else:
-        _check_devices(x=x, weight=weight)
+    _check_norm_inputs(x, weight, residual, "weight")
+    residual_rows = rows if residual is None else _as_rows(residual, "residual")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else x
     num_rows = rows.shape[0] * rows.shape[1]
@@ -1318,15 +1323,7 @@ def norm_linear(
         normed, residual = rms_norm(x, norm_weight, eps, residual)
         out = torch.nn.functional.linear(normed, weight)
         return (silu_and_mul(out) if gated else out), residual
-    _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES)
-    _check(tuple(norm_weight.shape) == (x.shape[1],), f"norm_weight must have shape ({x.shape[1]},), got {tuple(norm_weight.shape)}")
-    _check(norm_weight.is_contiguous(), "norm_weight must be contiguous")
-    if residual is not None:
-        _check(
-            isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
-            f"residual must match x ({tuple(x.shape)}, {x.dtype})",
-        )
-        _check_devices(x=x, residual=residual, norm_weight=norm_weight)
+    _check_norm_inputs(x, norm_weight, residual, "norm_weight")
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
 
