@@ -107,6 +107,10 @@ def test_failover_then_503_when_every_engine_is_gone(spawning_gateway):
     dead = next(e for e in engines_of(spawning_gateway) if e not in alive)
     assert any(x.get("event") == "replica_down" and x["replica"] == dead["url"] for x in spawning_gateway.log_lines())
     os.kill(alive[0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(alive[0]["pid"]):  # until it has exited its sockets still accept connections, then reset them
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     resp = httpx.post(spawning_gateway.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
     assert resp.json()["error"]["type"] == "service_unavailable_error"
