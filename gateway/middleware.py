@@ -34,6 +34,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     replica: str | None = None
+    route: str | None = None  # why that replica: the routing reason (of each choice, for n > 1)
+    predicted_cached_tokens: int | None = None
     finish_reason: str | None = None
     ttft_ms: float | None = None
     error: str | None = None
@@ -91,8 +93,8 @@ class RequestContextMiddleware:
             "method": scope["method"], "path": path, "status": status, "latency_ms": round(seconds * 1e3, 2),
             "client": scope["client"][0] if scope.get("client") else None,
         }
-        for name in ("tenant", "prompt_tokens", "completion_tokens", "cached_tokens", "replica",
-                     "finish_reason", "ttft_ms", "error"):
+        for name in ("tenant", "prompt_tokens", "completion_tokens", "cached_tokens", "replica", "route",
+                     "predicted_cached_tokens", "finish_reason", "ttft_ms", "error"):
             value = getattr(record, name)
             if value is not None:
                 fields[name] = value

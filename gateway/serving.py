@@ -155,8 +155,8 @@ class Serving:
             prompts, samplings, logprobs = jobs_of(req)
             run = self._build_run(req, prompts, samplings, logprobs, record)
             await self._route(run, record)
-            headers = {"x-kvgate-replica": record.replica, "x-kvgate-predicted-cached-tokens":
-                       str(sum(j.stream.predicted_cached_tokens for j in run.jobs))}
+            headers = {"x-kvgate-replica": record.replica,
+                       "x-kvgate-predicted-cached-tokens": str(record.predicted_cached_tokens)}
             created = int(time.time())
             if req.stream:
                 events = self._guard(to_events(run, req, created), record)
@@ -254,6 +254,8 @@ class Serving:
             except EngineRejected as exc:
                 raise APIError(400, exc.message, param=exc.param) from None
         record.replica = _replicas(run)
+        record.route = ",".join(dict.fromkeys(j.stream.decision.reason for j in run.jobs))
+        record.predicted_cached_tokens = sum(j.stream.predicted_cached_tokens for j in run.jobs)
 
     async def _finish(self, run: Run | None, record: RequestRecord) -> None:
         """Close the engine streams (aborting what still runs), release counts, fill the log record."""

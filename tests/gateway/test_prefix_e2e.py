@@ -213,7 +213,11 @@ async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
         model="tiny", prompt=prompt + [5] * 20, max_tokens=2)
     assert second.headers["x-kvgate-replica"] == first.headers["x-kvgate-replica"]
     assert int(second.headers["x-kvgate-predicted-cached-tokens"]) >= 112
-    assert "prefix_index_available" in [x.get("event") for x in cluster.gateways[1].log_lines()]
+    lines = cluster.gateways[1].log_lines()
+    assert "prefix_index_available" in [x.get("event") for x in lines]
+    (line,) = [x for x in lines if x.get("request_id") == second.headers["x-request-id"]]
+    assert line["route"] == "prefix_hit"
+    assert line["predicted_cached_tokens"] == int(second.headers["x-kvgate-predicted-cached-tokens"])
 
 
 async def break_under_load(cluster: Cluster, victim: Proc, fault: Callable[[], None], error: str) -> None:

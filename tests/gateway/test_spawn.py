@@ -48,6 +48,7 @@ def test_open_api_serves_the_spawned_model(spawning_gateway):
         assert resp.usage.completion_tokens == 2
     lines = [x for x in spawning_gateway.log_lines() if x.get("path") == "/v1/completions"]
     assert {x["replica"] for x in lines} == {e["url"] for e in engines_of(spawning_gateway)}
+    assert {x["route"] for x in lines} == {"round_robin"}
     assert all("tenant" not in x for x in lines)  # no keys: no tenant, no salt
 
 
