@@ -253,9 +253,7 @@ class Serving:
                 raise overloaded(503, f"{exc}; retry later", RETRY_AFTER_NO_ENGINE) from None
             except EngineRejected as exc:
                 raise APIError(400, exc.message, param=exc.param) from None
-        record.replica = _replicas(run)
-        record.route = ",".join(dict.fromkeys(j.stream.decision.reason for j in run.jobs))
-        record.predicted_cached_tokens = sum(j.stream.predicted_cached_tokens for j in run.jobs)
+        _note_routing(run, record)
 
     async def _finish(self, run: Run | None, record: RequestRecord) -> None:
         """Close the engine streams (aborting what still runs), release counts, fill the log record."""
@@ -268,7 +266,7 @@ class Serving:
             if job.stream is not None:
                 await job.stream.aclose()
         if all(j.stream is not None for j in run.jobs):
-            record.replica = _replicas(run)  # where they ended, after any failover
+            _note_routing(run, record)  # where they ended, after any failover
         usage = run.usage()
         record.prompt_tokens = usage["prompt_tokens"]
         record.completion_tokens = usage["completion_tokens"]
@@ -495,8 +493,11 @@ class Serving:
         yield "data: [DONE]\n\n"
 
 
-def _replicas(run: Run) -> str:
-    return ",".join(dict.fromkeys(j.stream.replica.url for j in run.jobs))
+def _note_routing(run: Run, record: RequestRecord) -> None:
+    """The log record's replicas, routing reasons and predicted cached tokens, of every job's stream."""
+    record.replica = ",".join(dict.fromkeys(j.stream.replica.url for j in run.jobs))
+    record.route = ",".join(dict.fromkeys(j.stream.decision.reason for j in run.jobs))
+    record.predicted_cached_tokens = sum(j.stream.predicted_cached_tokens for j in run.jobs)
 
 
 def _response_id(run: Run) -> str:
