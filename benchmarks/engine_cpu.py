@@ -2,7 +2,9 @@
 
 Prints one JSON line per measurement:
   prefill tok/s (one prompt of --prompt-len tokens), decode tok/s at batch 1 and at --batch,
-  and the sidecar's decode tok/s over HTTP against the same engine offline (the cost of serving).
+  chunked prefill tok/s (--new-tokens after --cached-tokens already cached: an agent's next turn;
+  HF runs the same tokens over its past_key_values), and the sidecar's decode tok/s over HTTP
+  against the same engine offline (the cost of serving).
 Run: .venv/bin/python benchmarks/engine_cpu.py
 """
 
@@ -39,9 +41,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 class Ours:
-    def __init__(self, model_path: str, prompt_len: int):
+    def __init__(self, model_path: str, prompt_len: int, prefix_caching: bool = False):
         cfg = EngineConfig(model=model_path, max_num_batched_tokens=max(prompt_len, 2048), num_kv_blocks=2048,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=prefix_caching)
         self.core = EngineCore.from_config(cfg)
         self.core.warmup()
         self.runs = 0
@@ -55,6 +57,11 @@ class Ours:
         while self.core.has_work():
             self.core.step()
         return time.perf_counter() - t0
+
+    def extend(self, prefix: list[int], new: list[int]) -> float:
+        """Seconds to prefill ``new`` after ``prefix``, which the prefix cache holds (one token out)."""
+        self.generate([prefix], 1)  # cached (again, if evicted): only untimed work
+        return self.generate([prefix + new], 1)
 
 
 class HF:
@@ -72,6 +79,14 @@ class HF:
         t0 = time.perf_counter()
         self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def extend(self, prefix: list[int], new: list[int]) -> float:
+        """Seconds for one forward of ``new`` over the past_key_values of ``prefix`` (computed untimed)."""
+        past = self.model(torch.tensor([prefix]), use_cache=True).past_key_values
+        t0 = time.perf_counter()
+        self.model(torch.tensor([new]), past_key_values=past, use_cache=True)
         return time.perf_counter() - t0
 
 
@@ -95,6 +110,17 @@ def measure(args, peers: dict) -> dict[str, dict[str, float]]:
         for b in (1, args.batch):
             results[name][f"decode_b{b}"] = b * args.decode_tokens / (t[f"decode_b{b}_long"] - t[f"decode_b{b}_short"])
     return results
+
+
+def measure_chunked(args, peers: dict) -> dict[str, float]:
+    """Chunked-prefill tok/s per peer: best of --repeats, a fresh new part each time, peers interleaved."""
+    (prefix,) = prompts(1, args.cached_tokens, 4)
+    best = dict.fromkeys(peers, float("inf"))
+    for r in range(args.repeats):
+        (new,) = prompts(1, args.new_tokens, 10 + r)
+        for name, peer in peers.items():
+            best[name] = min(best[name], peer.extend(prefix, new))
+    return {name: args.new_tokens / t for name, t in best.items()}
 
 
 def bench_served(args, model_path: str) -> float:
@@ -146,19 +172,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--cached-tokens", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     configure_logging("WARNING")  # stdout carries only the JSON lines
     model_path = str(default_model_path())
     env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
-    results = measure(args, {"kvgate": Ours(model_path, args.prompt_len), "hf": HF(model_path)})
+    hf_peer = HF(model_path)
+    results = measure(args, {"kvgate": Ours(model_path, args.prompt_len), "hf": hf_peer})
     ours, hf = results["kvgate"], results["hf"]
+    chunked = measure_chunked(args, {"kvgate": Ours(model_path, args.new_tokens, prefix_caching=True), "hf": hf_peer})
     emit(metric="prefill_tok_s", prompt_len=args.prompt_len, kvgate=round(ours["prefill"], 1),
          hf_transformers=round(hf["prefill"], 1), ratio=round(ours["prefill"] / hf["prefill"], 2), **env)
     for b in (1, args.batch):
         key = f"decode_b{b}"
         emit(metric="decode_tok_s", batch=b, kvgate=round(ours[key], 1), hf_transformers=round(hf[key], 1),
              ratio=round(ours[key] / hf[key], 2), **env)
+    emit(metric="chunked_prefill_tok_s", cached_tokens=args.cached_tokens, new_tokens=args.new_tokens,
+         kvgate=round(chunked["kvgate"], 1), hf_transformers=round(chunked["hf"], 1),
+         ratio=round(chunked["kvgate"] / chunked["hf"], 2), **env)
     served = bench_served(args, model_path)
     emit(metric="served_decode_tok_s", batch=args.batch, sidecar_http=round(served, 1),
          offline=round(ours[f"decode_b{args.batch}"], 1),

@@ -73,17 +73,46 @@ def paged_attention(
         blocks = block_tables[i, :num_blocks].long()
         # [1, heads, tokens, dim]: 4-D inputs and enable_gqa (no repeated kv heads) let sdpa pick
         # its fused CPU kernel; 3-D inputs fall back to the unfused math path.
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None]
-        mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
-        if 1 < q_len < ctx_len:  # chunked prefill: causal, aligned to the end of the context
-            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)
-            mask = mask.tril(ctx_len - q_len)
-        out[q_start:q_end] = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1)[None], k.to(q.dtype), v.to(q.dtype),
-            attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
-        )[0].transpose(0, 1)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None].to(q.dtype)
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None].to(q.dtype)
+        qi = q[q_start:q_end].transpose(0, 1)[None]
+        if 1 < q_len < ctx_len and q.device.type == "cpu":
+            attended = _chunked_prefill_cpu(qi, k, v, scale)
+        else:
+            mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
+            if 1 < q_len < ctx_len:  # chunked prefill: causal, aligned to the end of the context
+                mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)
+                mask = mask.tril(ctx_len - q_len)
+            attended = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
+            )
+        out[q_start:q_end] = attended[0].transpose(0, 1)
     return out
+
+
+def _chunked_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Chunked prefill on CPU without a mask: q ``[1, heads, q_len, dim]``, k/v ``[1, kv_heads, ctx, dim]``.
+
+    The new tokens see every cached key, and the new keys causally: two calls of the fused CPU
+    kernel, one unmasked over the cached prefix (each kv head's query group stacked as one long
+    query, which only a maskless call allows) and one causal over the square of new tokens, merged
+    by their log-sum-exps. A boolean mask instead makes sdpa 1.4-1.8x slower at 1K-2K new tokens
+    over 2K-9K of context (one thread).
+    """
+    _, num_heads, q_len, dim = q.shape
+    num_kv_heads, cached = k.shape[1], k.shape[2] - q_len
+    group = num_heads // num_kv_heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old_out, old_lse = flash(q.reshape(1, num_kv_heads, group * q_len, dim), k[:, :, :cached], v[:, :, :cached],
+                             scale=scale)
+    new_k = k[:, :, cached:].repeat_interleave(group, dim=1)
+    new_v = v[:, :, cached:].repeat_interleave(group, dim=1)
+    new_out, new_lse = flash(q, new_k, new_v, is_causal=True, scale=scale)
+    old_lse = old_lse.reshape(1, num_heads, q_len, 1)
+    new_lse = new_lse.reshape(1, num_heads, q_len, 1)
+    lse = torch.logaddexp(old_lse, new_lse)
+    merged = old_out.reshape(1, num_heads, q_len, dim) * (old_lse - lse).exp() + new_out * (new_lse - lse).exp()
+    return merged.to(q.dtype)
 
 
 def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out) -> None:
