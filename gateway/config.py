@@ -273,8 +273,9 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("routing", "replica choice: prefix (least predicted work: uncached prompt tokens plus queued "
              "prefill, from the shared prefix index), least-load (fewest requests) or round-robin",
              _choice(ROUTING_POLICIES), "prefix", group="engines"),
-    _Setting("prefix_load_bound", "with --routing prefix: most prefill tokens a replica may have queued beyond "
-             "the least loaded one and still be chosen for its cached prefix", _int(0), 4096, metavar="TOKENS",
+    _Setting("prefix_load_bound", "with --routing prefix: how many prefill tokens later (its queue, then the "
+             "request's own uncached tokens) than on the soonest replica a request may reach its first token on "
+             "a replica chosen for its cached prefix", _int(0), 4096, metavar="TOKENS",
              group="engines"),
     _Setting("index_lookup_timeout", "with --routing prefix: seconds an index lookup may take before the "
              "request is routed by load alone", _positive_float, 0.05, metavar="SECONDS", group="engines"),

@@ -4,10 +4,11 @@ Policies (``--routing``):
 
 - ``prefix`` (default): the replica that predicts the least work for the request (:func:`pick`):
   the work queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
-  block hashes) and the cached tokens it would recompute, among the replicas whose queue is within
-  ``--prefix-load-bound`` tokens of the shortest one. Without an answer from the index it routes on
-  the queues alone. The queue known to wait there (this gateway's requests before their first
-  token, other gateways' requests from the engine's /stats) sets the bound; the score takes the
+  block hashes) and the cached tokens it would recompute, among the replicas where the request's
+  first token comes within ``--prefix-load-bound`` tokens of the soonest one (known queue plus its
+  own uncached tokens). Without an answer from the index it routes on the queues alone. The queue
+  known to wait there (this gateway's requests before their first token, other gateways' requests
+  from the engine's /stats) sets the bound; the score takes the
   larger of it and what the replica's utilization predicts (:func:`expected_queue`): between the
   turns of its conversations a busy replica's queue is empty, yet their next turns will come back.
 - ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
@@ -182,21 +183,26 @@ def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
     The predicted work of a replica is what the request waits for there (its queue: the larger of
     the known and the expected one, then its own uncached tokens) plus what choosing it wastes: the
     tokens it recomputes that the best-cached replica holds. Least work wins (then fewest
-    requests, then the first listed) among the replicas whose known queue exceeds the shortest one
-    by at most ``load_bound`` tokens: the bound caps what affinity may cost. Counting the waste keeps
-    requests that share a prefix together: a second identical request waits for the first's prefill
-    rather than computing it again elsewhere, and a late turn of a conversation stays on its busy
-    replica, while a new conversation, which would waste only its system prompt, goes to an idler one.
+    requests, then the first listed) among the replicas where the request would reach its first
+    token (known queue, then its own uncached tokens) at most ``load_bound`` tokens after the
+    soonest one: the bound caps what affinity may cost the request. Leaving costs the request its
+    own recompute, so a late turn stays until its queue outgrows that recompute (a bound on the
+    queues alone moved late turns off evenly saturated replicas at every fluctuation, each move a
+    whole recompute more). Counting the waste keeps requests that share a prefix together: a
+    second identical request waits for the first's prefill rather than computing it again
+    elsewhere, and a late turn of a conversation stays on its busy replica, while a new
+    conversation, which would waste only its system prompt, goes to an idler one.
     """
     most_cached = max(c.cached_tokens for c in candidates)
-    min_load = min(c.load_tokens for c in candidates)
+    first_token = [c.load_tokens + c.uncached_tokens for c in candidates]
+    soonest = min(first_token)
 
     def work(i: int) -> tuple[int, int, int]:
         c = candidates[i]
         queue = max(c.load_tokens, c.expected_load_tokens)
         return queue + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, i
 
-    best = min((i for i, c in enumerate(candidates) if c.load_tokens <= min_load + load_bound), key=work)
+    best = min((i for i in range(len(candidates)) if first_token[i] <= soonest + load_bound), key=work)
     if most_cached == 0:
         return best, PREFIX_MISS
     return best, PREFIX_HIT if candidates[best].cached_tokens == most_cached else LOAD_OVERRIDE

@@ -45,8 +45,12 @@ STATS = {"model": MODEL, "block_size": BLOCK, "max_model_len": 1024, "vocab_size
     ([Candidate(0, 100, 0, 0), Candidate(64, 36, 0, 0), Candidate(32, 68, 0, 0)], 4096, (1, "prefix_hit")),
     # a second request with the same prompt waits behind the first rather than recomputing it elsewhere
     ([Candidate(99, 1, 100, 1), Candidate(0, 100, 0, 0)], 4096, (0, "prefix_hit")),
-    # ... but never beyond the bound
-    ([Candidate(99, 1, 100, 1), Candidate(0, 100, 0, 0)], 99, (1, "load_override")),
+    # ... but never beyond the bound: there its first token comes 101 tokens on, here after 100
+    ([Candidate(99, 1, 100, 1), Candidate(0, 100, 0, 0)], 0, (1, "load_override")),
+    # a late turn on an evenly busy replica stays: leaving would recompute its 7000 cached tokens
+    ([Candidate(7000, 500, 6000, 4), Candidate(0, 7500, 1500, 1)], 4096, (0, "prefix_hit")),
+    # ... until its queue outgrows that recompute by the bound
+    ([Candidate(7000, 500, 14000, 8), Candidate(0, 7500, 1500, 1)], 4096, (1, "load_override")),
     # a one-block match does not buy a long queue: waiting costs more than the 16 tokens it saves
     ([Candidate(16, 984, 200, 1), Candidate(0, 1000, 0, 0)], 4096, (1, "load_override")),
     # nothing cached anywhere: the shortest queue, then the fewest requests, then the first listed
@@ -56,8 +60,9 @@ STATS = {"model": MODEL, "block_size": BLOCK, "max_model_len": 1024, "vocab_size
     # recomputed elsewhere, but a new conversation, which would recompute only its system prompt, moves
     ([Candidate(7000, 500, 0, 1, 9000), Candidate(0, 7500, 0, 0)], 4096, (0, "prefix_hit")),
     ([Candidate(2000, 800, 0, 1, 9000), Candidate(0, 2800, 0, 0)], 4096, (1, "load_override")),
-    # bound 0: only the least loaded replicas qualify; among them, cache still counts
-    ([Candidate(90, 10, 5, 0), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 0, (1, "load_override")),
+    # the best-cached replica's queue puts the first token past the bound; among the others, cache
+    # still counts
+    ([Candidate(90, 10, 200, 2), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 50, (1, "load_override")),
 ])
 def test_pick(candidates: list[Candidate], bound: int, expected: tuple[int, str]):
     assert pick(candidates, bound) == expected
@@ -152,15 +157,17 @@ async def test_queued_prefill_and_other_gateways_requests_count_as_load(index_ur
     router = await started_router(index_url, load_bound_tokens=100)
     busy, idle = replica("a", "e0"), replica("b")  # no index id: it never gets speculative entries
     assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy
-    busy.pending_prefill_tokens = 101  # this gateway's queued prefill there: past the bound
+    # this gateway's queued prefill there: the first token would come over 200 tokens on, against
+    # 100 on the idle replica (the bound: 100)
+    busy.pending_prefill_tokens = 201
     assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).reason == "load_override"
     busy.pending_prefill_tokens = 0
     # another gateway's requests, seen in the engine's /stats, weigh the mean uncached prompt each
-    busy.stats = {"num_running": 1, "num_waiting": 1}
-    assert busy.other_requests == 2
+    busy.stats = {"num_running": 2, "num_waiting": 2}
+    assert busy.other_requests == 4
     decision = await router.choose(RouteRequest(PROMPT, None), [busy, idle])
     assert (decision.replica, decision.reason) == (idle, "load_override")
-    busy.in_flight_at_poll = 2  # they were this gateway's own
+    busy.in_flight_at_poll = 4  # they were this gateway's own
     assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).replica is busy
     await router.close()
     await index.close()
