@@ -55,9 +55,12 @@ def paged_inputs(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_s
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("host_lists", [True, False])
-def test_paged_attention_mixed_batch_matches_dense(num_heads, num_kv_heads, host_lists):
-    # decodes, a full prefill, chunked prefills, a zero-length entry; contexts on and around the
-    # block boundaries (block_size 4).
+@pytest.mark.parametrize("batched_decode_max_keys", [ops.BATCHED_DECODE_MAX_KEYS, 0])
+def test_paged_attention_mixed_batch_matches_dense(num_heads, num_kv_heads, host_lists, batched_decode_max_keys,
+                                                   monkeypatch):
+    # decodes (in one padded call, or one call each), a full prefill, chunked prefills, a
+    # zero-length entry; contexts on and around the block boundaries (block_size 4).
+    monkeypatch.setattr(ops, "BATCHED_DECODE_MAX_KEYS", batched_decode_max_keys)
     ctx_lens = [1, 4, 5, 17, 12, 9, 8, 6]
     q_lens = [1, 1, 1, 17, 7, 4, 0, 6]
     q, k_cache, v_cache, block_tables, starts, seqs = paged_inputs(
