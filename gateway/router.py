@@ -8,9 +8,9 @@ Policies (``--routing``):
   first token comes within ``--prefix-load-bound`` tokens of the soonest one (known queue plus its
   own uncached tokens). Without an answer from the index it routes on the queues alone. The queue
   known to wait there (this gateway's requests before their first token, other gateways' requests
-  from the engine's /stats) sets the bound; the score takes the
-  larger of it and what the replica's utilization predicts (:func:`expected_queue`): between the
-  turns of its conversations a busy replica's queue is empty, yet their next turns will come back.
+  from the engine's /stats) sets the bound; the score takes the larger of it and what the
+  replica's utilization predicts (:func:`expected_queue`): between the turns of its conversations a
+  busy replica's queue is empty, yet their next turns will come back.
 - ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
 - ``round-robin``: in turn.
 
