@@ -259,7 +259,7 @@ def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Seq
             "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
             "--stop-timeout", str(args.stop_timeout), "-H", gateways[0].url,
             "--gateways", ",".join(g.url for g in gateways), "--think-time", str(args.think_time),
-            "--conversation-gap", str(args.conversation_gap),
+            "--conversation-gap", str(args.conversation_gap), "--conversation-rate", str(args.conversation_rate),
             "--records-csv", str(out / "requests.csv"), "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
             *workload.to_argv(), *args.user_classes]
     limit_s = args.duration + args.stop_timeout + 120
@@ -355,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RunnerError(f"--policies must name each policy once, got {args.policies!r}")
         if args.think_time < 0 or args.conversation_gap < 0:
             raise RunnerError("--think-time and --conversation-gap are mean seconds: at least 0")
+        if args.conversation_rate < 0:
+            raise RunnerError("--conversation-rate is conversations per second: at least 0 (0 = use the gap)")
+        if args.conversation_rate > 0 and args.conversation_gap > 0:
+            raise RunnerError("give --conversation-rate (an open loop) or --conversation-gap, not both")
         if unknown or not args.user_classes:
             raise RunnerError(f"--user-classes: unknown {unknown or 'none given'}; choose among {', '.join(USER_CLASSES)}")
         workload = WorkloadConfig.from_options(args)
@@ -371,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             model = engine_model(args.model, args.load_format, workload.max_request_tokens(), args.out)
             run = {"policies": policies, "engines": args.engines, "gateways": args.gateways, "users": args.users,
                    "duration_s": args.duration, "user_classes": args.user_classes, "think_time_s": args.think_time,
-                   "conversation_gap_s": args.conversation_gap,
+                   "conversation_gap_s": args.conversation_gap, "conversation_rate_per_s": args.conversation_rate,
                    "model": args.model, "load_format": args.load_format, "engine_args": args.engine_args,
                    "engine_cpu_threads": engine_threads(args),
                    "tokenizer": tokenizer, "workload": workload.to_json()}

@@ -105,9 +105,12 @@ class KvgateUser(User):
         """This user's item numbers (conversations or chat requests)."""
         return itertools.count(self.number, self.stride)
 
-    def send(self, conversation: Conversation, turn: int) -> None:
+    def send(self, conversation: Conversation, turn: int, arrival: float | None = None) -> None:
+        """Stream one request and report it; ``arrival``: the Unix time it was due, if it had one."""
         record = RequestRecord(start=time.time(), kind=conversation.kind, user=self.number,
                                conversation=conversation.index, turn=turn)
+        if arrival is not None:
+            record.start_lag_ms = max(0.0, record.start - arrival) * 1e3
         body = {"messages": conversation.messages(turn), "max_tokens": conversation.turns[turn].max_tokens,
                 "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()
@@ -194,29 +197,54 @@ def _read_stream(response: requests.Response, started: float, record: RequestRec
 
 
 class AgentUser(KvgateUser):
-    """Multi-turn agent: its conversations one after another, each turn resending the whole history."""
+    """Multi-turn agent: its conversations one after another, each turn resending the whole history.
+
+    A conversation starts after an exponential ``--conversation-gap``, or, with ``--conversation-rate``,
+    at its arrival time on the run's Poisson clock (see :meth:`Workload.arrivals`), whose origin is
+    the first AgentUser's start; a user still busy then starts it as soon as it is free."""
+
+    clock_origin: float | None = None  # Unix time of the arrival clock's 0, shared by the process
 
     def on_start(self) -> None:
+        options = self.environment.parsed_options
+        if options.conversation_rate > 0 and options.conversation_gap > 0:
+            raise ValueError("give --conversation-rate or --conversation-gap, not both")
+        if AgentUser.clock_origin is None:
+            AgentUser.clock_origin = time.time()
         self._conversations = self.items()
-        self._gaps = self.workload.pauses("conversation", self.number, self.environment.parsed_options.conversation_gap)
+        if options.conversation_rate > 0:
+            arrivals = self.workload.arrivals(options.conversation_rate)
+            self._arrivals = itertools.islice(arrivals, self.number, None, self.stride)  # as self.items()
+        else:
+            self._arrivals = None
+            self._gaps = self.workload.pauses("conversation", self.number, options.conversation_gap)
+        self.arrival: float | None = None
         self._start_conversation()
-        time.sleep(next(self._gaps))  # gevent's: only this user waits; later gaps come from wait_time
+        time.sleep(self._until_next_conversation())  # gevent's: only this user waits; later ones via wait_time
 
     def _start_conversation(self) -> None:
         self.conversation = self.workload.conversation(AGENT, next(self._conversations))
         self.turn = 0
 
+    def _until_next_conversation(self) -> float:
+        """Seconds to wait before the next conversation: its gap, or the time left to its arrival."""
+        if self._arrivals is None:
+            return next(self._gaps)
+        self.arrival = AgentUser.clock_origin + next(self._arrivals)
+        return max(0.0, self.arrival - time.time())
+
     def wait_time(self) -> float:
-        pause = super().wait_time()
-        if self.turn == len(self.conversation.turns):  # the next task starts a conversation
-            pause += next(self._gaps)
-        return pause
+        think = super().wait_time()
+        if self.turn < len(self.conversation.turns):
+            return think
+        wait = self._until_next_conversation()  # the next task starts a conversation
+        return wait if self._arrivals is not None else think + wait
 
     @task
     def next_turn(self) -> None:
         if self.turn == len(self.conversation.turns):
             self._start_conversation()
-        self.send(self.conversation, self.turn)
+        self.send(self.conversation, self.turn, self.arrival if self.turn == 0 else None)
         self.turn += 1
 
 

@@ -30,6 +30,9 @@ class RequestRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     token_chunks: int = 0  # SSE chunks that carried generated tokens
+    # A conversation's first request under --conversation-rate: how late it was sent against its arrival
+    # time (its user was still in the previous conversation). None for every other request.
+    start_lag_ms: float | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -59,7 +62,7 @@ def _parse(row: dict[str, str]) -> RequestRecord:
         text = row[name]
         if name == "ok":
             values[name] = text == "True"
-        elif name in ("ttft_ms", "itl_ms"):
+        elif name in ("ttft_ms", "itl_ms", "start_lag_ms"):
             values[name] = float(text) if text else None
         elif name in _TYPES:
             values[name] = _TYPES[name](text)

@@ -34,6 +34,9 @@ from loadtest.workload import Workload, WorkloadConfig
 from prefix_index.hashing import BlockHash, block_hashes
 
 BASELINE = "round-robin"
+# A conversation sent this much after its arrival time counts as late: its user was busy, so the open
+# loop of --conversation-rate held back that much load (a few late starts are fine; many mean too few users).
+LATE_START_MS = 1000.0
 
 
 class CacheTotals(NamedTuple):
@@ -90,6 +93,7 @@ def summarize(records: Sequence[RequestRecord], ideal: CacheTotals) -> dict[str,
         window_s = max(r.start + r.e2e_ms / 1e3 for r in ok) - min(r.start for r in records)
     else:
         window_s = 0.0
+    lags = [r.start_lag_ms for r in records if r.start_lag_ms is not None]
     return {
         "requests": len(records),
         "failures": len(failed),
@@ -108,6 +112,9 @@ def summarize(records: Sequence[RequestRecord], ideal: CacheTotals) -> dict[str,
         "window_s": round(window_s, 2),
         "requests_per_s": round(len(ok) / window_s, 3) if window_s > 0 else 0.0,
         "output_tokens_per_s": round(completion / window_s, 2) if window_s > 0 else 0.0,
+        "scheduled_starts": len(lags),
+        "late_starts": sum(lag > LATE_START_MS for lag in lags),
+        "start_lag_ms": _percentiles(lags, (50, 90, 99)),
     }
 
 
@@ -247,8 +254,10 @@ def write_report(out: Path, tokenizer: Any | None = None) -> dict[str, Any]:
         for name, rows in records.items():
             writer.writerows(iter_rows(rows, policy=name))
     if policies:
-        title = (f"{run['engines']} engines ({run['model']}), {run['users']} users, {run['duration_s']} s per policy, "
-                 f"block {run['block_size']}, workload seed {run['workload']['seed']}")
+        rate = run.get("conversation_rate_per_s")
+        arrivals = f" ({rate} conversations/s)" if rate else ""
+        title = (f"{run['engines']} engines ({run['model']}), {run['users']} users{arrivals}, {run['duration_s']} s "
+                 f"per policy, block {run['block_size']}, workload seed {run['workload']['seed']}")
         write_plots(policies, records, out, title)
     return summary
 
@@ -260,13 +269,14 @@ def _ms(value: float | None) -> str:
 def format_table(summary: dict[str, Any]) -> str:
     """A plain-text table of the headline numbers, one policy per line."""
     lines = [f"{'policy':<12} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-             f"{'hit':>6} {'ideal':>6} {'of ideal':>8} {'tok/s':>7}"]
+             f"{'hit':>6} {'ideal':>6} {'of ideal':>8} {'tok/s':>7} {'late':>5}"]
     for name, s in summary["policies"].items():
         t = s["ttft_ms"]
         of_ideal = "-" if s["hit_rate_of_ideal"] is None else f"{s['hit_rate_of_ideal']:.0%}"
         lines.append(f"{name:<12} {s['requests']:>5} {s['failures']:>4} {_ms(t['p50']):>9} {_ms(t['p90']):>8} "
                      f"{_ms(t['p99']):>8} {_ms(s['itl_ms']['p50']):>8} {s['hit_rate']:>6.1%} "
-                     f"{s['ideal_hit_rate']:>6.1%} {of_ideal:>8} {s['output_tokens_per_s']:>7.1f}")
+                     f"{s['ideal_hit_rate']:>6.1%} {of_ideal:>8} {s['output_tokens_per_s']:>7.1f} "
+                     f"{s['late_starts']:>5}")
     return "\n".join(lines)
 
 

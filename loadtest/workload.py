@@ -148,15 +148,22 @@ def _positive_int(text: str) -> int:
 
 
 def add_pause_arguments(parser: argparse.ArgumentParser) -> None:
-    """The pacing flags, shared by the runner's parser and Locust's (see :meth:`Workload.pauses`)."""
-    group = parser.add_argument_group("pacing (exponential pauses, seeded per user)")
+    """The pacing flags, shared by the runner's parser and Locust's (see :meth:`Workload.pauses` and
+    :meth:`Workload.arrivals`)."""
+    group = parser.add_argument_group("pacing (exponential pauses and arrivals, seeded)")
     group.add_argument("--think-time", type=float, default=0.0, metavar="S",
                        help="mean seconds a user waits between requests (an agent's tool calls; 0 = none)")
     group.add_argument("--conversation-gap", type=float, default=0.0, metavar="S",
                        help="AgentUser: mean seconds before each conversation (the first one too). A gap much "
                             "longer than a conversation makes arrivals a near-Poisson stream of about users / "
-                            "(gap + conversation time) per second, the same for every policy; 0 = back to back, "
-                            "a closed loop, where a faster policy gets more work")
+                            "(gap + conversation time) per second, nearly the same for every policy; 0 = back to "
+                            "back, a closed loop, where a faster policy gets more work")
+    group.add_argument("--conversation-rate", type=float, default=0.0, metavar="R",
+                       help="AgentUser, instead of --conversation-gap: conversations arrive as one seeded Poisson "
+                            "stream of R per second from the start of the run, the same for every policy (an open "
+                            "loop); user n takes arrivals n, n + U, ..., so U users cap the conversations in "
+                            "flight, and a conversation whose user is still busy starts late (its record's "
+                            "start_lag_ms says by how much)")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +235,13 @@ class Workload:
             raise ValueError(f"a mean pause must be at least 0 s, got {mean_s}")
         rng = self._rng("pause", what, user)
         return (rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0 for _ in itertools.repeat(None))
+
+    def arrivals(self, rate_per_s: float) -> Iterator[float]:
+        """Seconds from the start of the run at which conversations 0, 1, 2, ... arrive: Poisson, seeded."""
+        if rate_per_s <= 0:
+            raise ValueError(f"an arrival rate must be positive, got {rate_per_s}")
+        rng = self._rng("arrivals")
+        return itertools.accumulate(rng.expovariate(rate_per_s) for _ in itertools.repeat(None))
 
     def agent(self, index: int) -> Conversation:
         """Agent conversation ``index``: one of the K system prompts, then ``turns`` turns."""

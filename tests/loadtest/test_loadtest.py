@@ -113,6 +113,19 @@ def test_pauses_are_exponential_seeded_per_user_and_kind():
         w.pauses("think", 3, -1.0)
 
 
+def test_arrivals_are_one_seeded_poisson_stream():
+    w = Workload(SMALL)
+    times = list(itertools.islice(w.arrivals(0.5), 4000))
+    assert times[:20] == list(itertools.islice(Workload(SMALL).arrivals(0.5), 20))  # seeded
+    assert times[:20] != list(itertools.islice(Workload(WorkloadConfig(seed=8)).arrivals(0.5), 20))
+    gaps = np.diff([0.0, *times])
+    assert min(gaps) >= 0 and np.mean(gaps) == pytest.approx(2.0, rel=0.1)  # 0.5 per second
+    assert np.median(gaps) == pytest.approx(2.0 * np.log(2), rel=0.1)  # exponential gaps: Poisson arrivals
+    assert times[:20] != list(itertools.islice(w.arrivals(1.0), 20))
+    with pytest.raises(ValueError, match="must be positive"):
+        w.arrivals(0.0)
+
+
 def test_config_round_trips_through_flags_and_json():
     import argparse
 
@@ -176,20 +189,20 @@ def test_single_cache_ideal_on_a_hand_made_example():
 
 
 def record(start: float, turn: int, ttft: float | None, cached: int, prompt: int, ok: bool = True,
-           conversation: int = 0, error: str = "") -> RequestRecord:
+           conversation: int = 0, error: str = "", lag: float | None = None) -> RequestRecord:
     return RequestRecord(start=start, kind=AGENT, user=0, conversation=conversation, turn=turn, ok=ok,
                          status=200 if ok else 503, error=error, ttft_ms=ttft, itl_ms=10.0 * (turn + 1) if ok else None,
                          e2e_ms=1000.0, prompt_tokens=prompt if ok else 0, cached_tokens=cached,
-                         completion_tokens=5 if ok else 0, token_chunks=5 if ok else 0)
+                         completion_tokens=5 if ok else 0, token_chunks=5 if ok else 0, start_lag_ms=lag)
 
 
 def synthetic_records() -> list[RequestRecord]:
     return [
-        record(100.0, 0, 400.0, 0, 200),
+        record(100.0, 0, 400.0, 0, 200, lag=0.0),
         record(101.0, 1, 100.0, 192, 300),
         record(102.0, 2, 200.0, 288, 400),
         record(103.0, 3, 300.0, 0, 500),
-        record(104.0, 4, None, 0, 0, ok=False, error="HTTP 503: no engine replica is ready"),
+        record(104.0, 0, None, 0, 0, ok=False, conversation=1, error="HTTP 503: no engine replica is ready", lag=1500.0),
     ]
 
 
@@ -220,6 +233,9 @@ def test_summary_numbers():
     assert s["window_s"] == 4.0  # from the first start (100) to the last end (103 + 1 s)
     assert s["requests_per_s"] == 1.0
     assert s["output_tokens_per_s"] == 5.0
+    # conversation starts on the arrival clock, failed ones included: 1 of 2 more than a second late
+    assert (s["scheduled_starts"], s["late_starts"]) == (2, 1)
+    assert s["start_lag_ms"]["p50"] == 750.0
 
 
 def test_compare_against_round_robin():
@@ -313,14 +329,23 @@ def test_runner_refuses_a_negative_pause(tmp_path: Path):
     assert result.returncode == 2 and "--conversation-gap are mean seconds" in result.stderr
 
 
+def test_runner_refuses_a_rate_with_a_gap(tmp_path: Path):
+    result = run_ab(["--out", str(tmp_path / "out"), "--conversation-gap", "5", "--conversation-rate", "1"],
+                    timeout=60)
+    assert result.returncode == 2 and "not both" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_ab_smoke_one_engine_one_user(tmp_path: Path):
     """Locust for 10 s through a gateway to one tiny engine. One user sends one request at a time to
     one engine, so the engine's cache is the single cache: what it reports cached must equal the
-    ideal computed from the workload (up to a block per request, for boundary entries the engine may add)."""
+    ideal computed from the workload (up to a block per request, for boundary entries the engine may add).
+    Conversations arrive at 5 per second, faster than one user serves them: each starts late, by a lag
+    its record gives."""
     out = tmp_path / "ab"
     result = run_ab(["--out", str(out), "--engines", "1", "--policies", "least-load", "--users", "1",
                      "--duration", "10", "--stop-timeout", "30", "--system-prompts", "1", "--system-tokens", "150-250",
-                     "--turns", "3", "--user-tokens", "40-80", "--answer-tokens", "4-8",
+                     "--turns", "3", "--user-tokens", "40-80", "--answer-tokens", "4-8", "--conversation-rate", "5",
                      "--engine-args", "--num-kv-blocks 512"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -334,6 +359,15 @@ def test_ab_smoke_one_engine_one_user(tmp_path: Path):
     assert [r["requests"] for r in s["replicas"]] == [s["requests"]]
     records = read_records(out / "least-load" / "requests.csv")
     assert [(r.conversation, r.turn) for r in records][:4] == [(0, 0), (0, 1), (0, 2), (1, 0)][: len(records)]
+    firsts = [r for r in records if r.turn == 0]
+    assert all(r.start_lag_ms is None for r in records if r.turn > 0)
+    assert s["scheduled_starts"] == len(firsts) >= 2
+    # Conversations 1, 2, ... arrive 0.08, 0.17, ... s after conversation 0 (the seeded stream), sooner than
+    # a 3-turn conversation ends: each is sent late, and sent time minus lag is its arrival on one clock.
+    arrivals = list(itertools.islice(Workload(WorkloadConfig()).arrivals(5.0), len(firsts)))
+    assert all(r.start_lag_ms > 0 for r in firsts[1:])
+    origins = [r.start - r.start_lag_ms / 1e3 - arrivals[r.conversation] for r in firsts]
+    assert max(origins[1:]) - min(origins[1:]) < 1e-3
     # The gateway's own request lines, in the same order: the client saw the same usage, and its TTFT
     # clock (started before the gateway's, read after the gateway saw the token) can only be longer.
     lines = [json.loads(x) for x in (out / "least-load" / "gateway-0.log").read_text().splitlines() if x.startswith("{")]
