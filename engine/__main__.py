@@ -23,6 +23,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (default: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
+    g.add_argument("--prefill-pack-tokens", type=int, default=None,
+                   help="a step admits another waiting prompt only while it holds fewer prompt tokens than "
+                        "this (default: 256 on the CPU, where a long prompt sharing a step only delays the "
+                        "other's first token; the whole budget on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -65,6 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_pack_tokens=args.prefill_pack_tokens,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory,

@@ -133,6 +133,8 @@ def dummy_config(spec: str) -> ModelConfig:
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+# Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
+CPU_PREFILL_PACK_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A step admits another prompt only while it holds fewer prompt tokens than this. None: the whole
+    # budget on CUDA (batched prefill is faster per token there), CPU_PREFILL_PACK_TOKENS on the CPU.
+    prefill_pack_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     # None: 1 GiB on the CPU; on CUDA what gpu_memory_utilization leaves after a profiling run.
@@ -165,6 +170,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefill_pack_tokens is not None and self.prefill_pack_tokens <= 0:
+            raise ValueError(f"prefill_pack_tokens must be positive, got {self.prefill_pack_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
@@ -183,6 +190,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def resolved_prefill_pack_tokens(self) -> int:
+        if self.prefill_pack_tokens is not None:
+            return self.prefill_pack_tokens
+        return CPU_PREFILL_PACK_TOKENS if self.device == "cpu" else self.max_num_batched_tokens
 
     @property
     def resolved_kernel_backend(self) -> str:

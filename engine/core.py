@@ -61,7 +61,8 @@ class EngineCore:
             num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
             max_partial_entries=int(num_blocks * config.max_partial_entries_fraction),
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.resolved_prefill_pack_tokens)
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
@@ -279,6 +280,7 @@ class EngineCore:
             "num_partial_entries": len(kv.partial),
             "num_preemptions": self.scheduler.num_preemptions,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "prefill_pack_tokens": self.scheduler.prefill_pack_tokens,
             "max_num_seqs": self.config.max_num_seqs,
             **{f"total_{name}": getattr(self.counters, name) for name in EngineCounters.__dataclass_fields__},
         }

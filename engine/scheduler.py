@@ -3,7 +3,9 @@
 Each step the running sequences go first, in arrival order (a decode costs one token, an
 unfinished prefill takes what is left of the budget), then waiting sequences are admitted while
 budget, sequence slots and blocks last, each starting after its longest cached prefix (full blocks,
-then an exact-position entry). When the pool runs dry the latest running sequence is preempted by
+then an exact-position entry), and while the step holds fewer than ``prefill_pack_tokens`` prompt
+tokens: on the CPU a prompt that shares a step with another is no cheaper per token than alone, so
+packing two long prompts only delays the first one's first token. When the pool runs dry the latest running sequence is preempted by
 recompute; the oldest always progresses, so there is no deadlock.
 """
 
@@ -33,10 +35,12 @@ class SchedulerOutput(NamedTuple):
 class Scheduler:
     """Not thread-safe: the engine loop alone calls it."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_pack_tokens: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens  # None: no limit but the budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,7 +74,9 @@ class Scheduler:
                 continue
             break
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        prompt_tokens = sum(n for _, n in scheduled if n > 1)  # decodes schedule one token each
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and prompt_tokens < self.prefill_pack_tokens):
             seq = self.waiting[0]
             prefix = self.kv.match_prefix(seq)
             num_new = min(seq.num_tokens - prefix.num_tokens, budget)
@@ -83,6 +89,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            prompt_tokens += num_new
         return SchedulerOutput(scheduled, preempted)
 
     def finish(self, seq: Sequence, reason: str) -> None:

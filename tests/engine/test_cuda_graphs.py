@@ -6,7 +6,7 @@ import torch
 
 from engine.__main__ import build_parser, engine_config
 from engine.attention import FUSED_DECODE_MAX_CONTEXT
-from engine.config import EngineConfig
+from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.protocol import GenerateRequest, SamplingParams
@@ -156,9 +156,19 @@ def test_kv_sizing_and_kernel_backend_settings():
         ["generate", "--model", "tiny", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--kernel-backend", "triton"]
     )
     assert (args.gpu_memory_utilization, args.enforce_eager, args.kernel_backend) == (0.5, True, "triton")
-    for bad in ({"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5}, {"kernel_backend": "cuda"}):
+    for bad in ({"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5}, {"kernel_backend": "cuda"},
+                {"prefill_pack_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(model="m", **bad)
+
+
+def test_prefill_pack_tokens_defaults_per_device():
+    """CPU: one long prompt per step; CUDA: pack up to the budget, where batched prefill pays."""
+    assert EngineConfig(model="m", device="cpu").resolved_prefill_pack_tokens == CPU_PREFILL_PACK_TOKENS
+    assert EngineConfig(model="m", device="cuda", max_num_batched_tokens=4096).resolved_prefill_pack_tokens == 4096
+    assert EngineConfig(model="m", device="cuda", prefill_pack_tokens=64).resolved_prefill_pack_tokens == 64
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--device", "cpu", "--prefill-pack-tokens", "512"])
+    assert engine_config(args).resolved_prefill_pack_tokens == 512
 
 
 def test_cpu_kv_cache_defaults_to_one_gib(tiny):

@@ -60,6 +60,35 @@ def test_max_num_seqs_limits_admission_fcfs():
     assert plan(sched.schedule()) == [("b", 1), ("c", 3)]
 
 
+def test_prefill_pack_tokens_keeps_long_prompts_out_of_one_step():
+    """Admission stops once the step holds prefill_pack_tokens prompt tokens, counting a running
+    prefill's chunk; decodes do not count, and short prompts still pack."""
+    packed = Scheduler(KVCacheManager(256, BS), max_num_seqs=16, max_num_batched_tokens=100, prefill_pack_tokens=20)
+    unpacked = Scheduler(KVCacheManager(256, BS), max_num_seqs=16, max_num_batched_tokens=100)
+    for sched in (packed, unpacked):
+        for rid, n in (("a", 30), ("b", 30), ("c", 6), ("d", 6)):
+            sched.add(make_seq(rid, n))
+    assert plan(unpacked.schedule()) == [("a", 30), ("b", 30), ("c", 6), ("d", 6)]
+    out = packed.schedule()
+    assert plan(out) == [("a", 30)]  # b waits: its first token need not wait for a's prefill too
+    advance(packed, out)
+    out = packed.schedule()
+    assert plan(out) == [("a", 1), ("b", 30)]  # a's decode leaves the pack limit to b
+    advance(packed, out)
+    assert plan(packed.schedule()) == [("a", 1), ("b", 1), ("c", 6), ("d", 6)]  # short prompts pack
+
+    chunked = Scheduler(KVCacheManager(256, BS), max_num_seqs=16, max_num_batched_tokens=16, prefill_pack_tokens=8)
+    chunked.add(make_seq("e", 38))
+    chunked.add(make_seq("f", 6))
+    out = chunked.schedule()
+    assert plan(out) == [("e", 16)]
+    advance(chunked, out)
+    out = chunked.schedule()
+    assert plan(out) == [("e", 16)]  # e's running chunk already fills the pack limit
+    advance(chunked, out)
+    assert plan(chunked.schedule()) == [("e", 6), ("f", 6)]  # e's last chunk is under the limit: f joins
+
+
 def test_preemption_by_recompute_when_blocks_run_out():
     # 4 blocks of 4 tokens; two sequences of 7 prompt tokens need 2 blocks each, then grow.
     kv = KVCacheManager(4, BS)
