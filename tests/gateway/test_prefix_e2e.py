@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 import redis
-from gw_harness import TINY_ENGINE_ARGS, Proc, start_engine, start_gateway
+from gw_harness import TINY_ENGINE_ARGS, Proc, lines_for, start_engine, start_gateway
 
 from gateway.spawn import free_port
 
@@ -213,9 +213,8 @@ async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
         model="tiny", prompt=prompt + [5] * 20, max_tokens=2)
     assert second.headers["x-kvgate-replica"] == first.headers["x-kvgate-replica"]
     assert int(second.headers["x-kvgate-predicted-cached-tokens"]) >= 112
-    lines = cluster.gateways[1].log_lines()
-    assert "prefix_index_available" in [x.get("event") for x in lines]
-    (line,) = [x for x in lines if x.get("request_id") == second.headers["x-request-id"]]
+    assert "prefix_index_available" in [x.get("event") for x in cluster.gateways[1].log_lines()]
+    (line,) = [x for x in lines_for(cluster.gateways[1], second.headers["x-request-id"]) if x.get("event") == "request"]
     assert line["route"] == "prefix_hit"
     assert line["predicted_cached_tokens"] == int(second.headers["x-kvgate-predicted-cached-tokens"])
 
