@@ -96,7 +96,8 @@ def main() -> None:
         short = [[tokens(rng, args.short_len) for _ in range(args.short_prompts)] for _ in range(args.repeats)]
         totals = [engine.run(batch, 16)[1] for batch in short]
         emit(metric="short_batch_s", engine=label, prefill_pack_tokens=pack, prompts=args.short_prompts,
-             prompt_len=args.short_len, max_tokens=16, threads=args.threads, seconds=round(statistics.median(totals), 4))
+             prompt_len=args.short_len, max_tokens=16, threads=args.threads,
+             seconds=round(statistics.median(totals), 4))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ unfinished prefill takes what is left of the budget), then waiting sequences are
 budget, sequence slots and blocks last, each starting after its longest cached prefix (full blocks,
 then an exact-position entry), and while the step holds fewer than ``prefill_pack_tokens`` prompt
 tokens: on the CPU a prompt that shares a step with another is no cheaper per token than alone, so
-packing two long prompts only delays the first one's first token. When the pool runs dry the latest running sequence is preempted by
-recompute; the oldest always progresses, so there is no deadlock.
+packing two long prompts only delays the first one's first token. When the pool runs dry the
+latest running sequence is preempted by recompute; the oldest always progresses, so there is no
+deadlock.
 """
 
 from __future__ import annotations

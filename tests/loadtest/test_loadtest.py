@@ -202,7 +202,8 @@ def synthetic_records() -> list[RequestRecord]:
         record(101.0, 1, 100.0, 192, 300),
         record(102.0, 2, 200.0, 288, 400),
         record(103.0, 3, 300.0, 0, 500),
-        record(104.0, 0, None, 0, 0, ok=False, conversation=1, error="HTTP 503: no engine replica is ready", lag=1500.0),
+        record(104.0, 0, None, 0, 0, ok=False, conversation=1, error="HTTP 503: no engine replica is ready",
+               lag=1500.0),
     ]
 
 
