@@ -7,6 +7,7 @@ on disk. The hot path calls the Rust ``tokenizers.Tokenizer`` directly.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import os
@@ -152,35 +153,62 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict[str, Any]]) -> ChatPrompt:
         """Render and tokenize, and probe where the system prompt and the last message end."""
         text = self.render(messages)
-        ids = self.encode(text, add_special_tokens=False)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
         boundaries: list[int] = []
         num_system = 0
         while num_system < len(messages) and messages[num_system]["role"] == "system":
             num_system += 1
         if 0 < num_system < len(messages):
             key = tuple(tuple(sorted(m.items())) for m in messages[:num_system])
-            self._add_boundary(boundaries, self._probe_tokens(key), text, ids)
-        self._add_boundary(boundaries, self._probe(messages), text, ids)
+            self._add_boundary(boundaries, self._token_prefix(self._probe_tokens(key), text, ids), len(ids))
+        last_text = self._render_probe(messages)
+        if last_text is not None and text.startswith(last_text):
+            end = self._split_before_added_token(encoding, len(last_text))
+            if end is None:  # no shortcut: tokenize the probe and compare
+                end = self._token_prefix((last_text, self.encode(last_text, False)), text, ids)
+            self._add_boundary(boundaries, end, len(ids))
         log.debug("cache_boundaries", boundaries=boundaries, prompt_tokens=len(ids))
         return ChatPrompt(text, ids, boundaries)
 
     def _probe_tokens_uncached(self, key: tuple) -> tuple[str, list[int]] | None:
-        return self._probe([dict(items) for items in key])
+        text = self._render_probe([dict(items) for items in key])
+        return None if text is None else (text, self.encode(text, add_special_tokens=False))
 
-    def _probe(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]] | None:
-        """The messages rendered without a generation prompt, and their tokens."""
+    def _render_probe(self, messages: list[dict[str, Any]]) -> str | None:
+        """The messages rendered without a generation prompt; None if the template refuses them."""
         try:
-            text = self.render(messages, add_generation_prompt=False)
+            return self.render(messages, add_generation_prompt=False)
         except Exception:  # noqa: BLE001 — a template may refuse a partial conversation: then no boundary
             return None
-        return text, self.encode(text, add_special_tokens=False)
+
+    def _split_before_added_token(self, encoding: tokenizers.Encoding, end: int) -> int | None:
+        """How many of the prompt's tokens lie before character ``end`` (where a probe's text ends),
+        if an added token (``<|im_start|>``, ``<|eot_id|>``, ...) begins right there; else None.
+
+        Tokenizers split the text at added tokens before anything else, and tokenize the pieces
+        between them independently, so the tokens before such a split are exactly those of the
+        prefix alone: the probe's boundary without tokenizing it again (for a long conversation,
+        half the gateway's tokenizing). The offsets must show the split: the previous token ends at
+        it (no whitespace stripped into the added token) and the added token starts there.
+        """
+        offsets = encoding.offsets
+        n = bisect.bisect_left(offsets, (end,))
+        if (0 < n < len(offsets) and offsets[n][0] == end and offsets[n - 1][1] == end
+                and encoding.ids[n] in self._added_ids):
+            return n
+        return None
 
     @staticmethod
-    def _add_boundary(boundaries: list[int], probe: tuple[str, list[int]] | None, text: str, ids: list[int]) -> None:
-        """Keep a probe's end only if it is a true prefix of the prompt, as text and as tokens."""
+    def _token_prefix(probe: tuple[str, list[int]] | None, text: str, ids: list[int]) -> int | None:
+        """A probe's token count if it is a true prefix of the prompt, as text and as tokens."""
         if probe is None:
-            return
+            return None
         probe_text, probe_ids = probe
         n = len(probe_ids)
-        if 0 < n < len(ids) and text.startswith(probe_text) and ids[:n] == probe_ids and n not in boundaries:
+        return n if text.startswith(probe_text) and ids[:n] == probe_ids else None
+
+    @staticmethod
+    def _add_boundary(boundaries: list[int], n: int | None, num_tokens: int) -> None:
+        if n is not None and 0 < n < num_tokens and n not in boundaries:
             boundaries.append(n)

@@ -1,8 +1,10 @@
 """Engine side of the prefix index: ship KV events without ever slowing the engine loop.
 
 The engine calls :meth:`KVEventPublisher.publish` once per step with that step's events. The call
-appends to a bounded queue and returns (no lock, no I/O, no wake-up). A background thread with
-its own event loop drains the queue every few milliseconds into one index write, beats the
+appends to a bounded queue and returns (no lock, no I/O); only the first event after an idle spell
+wakes the publisher's thread (one self-pipe write). That thread, with its own event loop, drains the
+queue every few milliseconds while events keep coming, each time in one index write, and sleeps
+until the next event or heartbeat when none come (an idle replica costs no CPU). It beats the
 replica's heartbeat, and resyncs the whole cache (``AllCleared``, then the snapshot as
 ``BlockStored`` chains) at start, after any failed write, after an overflow and whenever the index
 no longer knows this replica's epoch (Redis restarted or flushed, replica reaped). Until a resync
@@ -38,7 +40,7 @@ from prefix_index.index import DEFAULT_NAMESPACE, IndexUnavailableError, PrefixI
 
 log = structlog.get_logger(__name__)
 
-_FLUSH_INTERVAL_S = 0.005
+_FLUSH_INTERVAL_S = 0.005  # after a write: gather the next steps' events into one
 # Hashes per index write: one Lua call blocks Redis for everyone, and a stored or removed block
 # costs it a few microseconds, so big steps and resyncs go out in slices of a millisecond or two.
 _MAX_HASHES_PER_WRITE = 512
@@ -102,6 +104,7 @@ class KVEventPublisher:
         self._writes = self._resyncs = self._overflows = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._parked = False  # the thread sleeps until publish() wakes it (or its next heartbeat)
         self._stopping = False
         self._thread = threading.Thread(
             target=self._thread_main, name=f"kv-events-{replica_id}", daemon=True
@@ -111,7 +114,8 @@ class KVEventPublisher:
         self._thread.start()
 
     def publish(self, events: Sequence[KVEvent]) -> None:
-        """Queue one step's events (the list is taken over, not copied). Never blocks."""
+        """Queue one step's events (the list is taken over, not copied). Never blocks; wakes the
+        publisher's thread if it sleeps for want of events."""
         if not events or self._needs_resync:
             return
         if len(self._pending) >= self._max_pending:
@@ -119,6 +123,9 @@ class KVEventPublisher:
             self._overflows += 1
             return
         self._pending.append(events)
+        if self._parked:
+            self._parked = False
+            self._wake_thread()
 
     def stats(self) -> PublisherStats:
         return PublisherStats(
@@ -128,13 +135,16 @@ class KVEventPublisher:
     def close(self, timeout_s: float = 2 * _CLOSE_TIMEOUT_S) -> None:
         """Stop the thread; it clears this replica's entries (best effort, bounded) on the way."""
         self._stopping = True
+        self._wake_thread()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _wake_thread(self) -> None:
         if self._loop is not None and self._wake is not None:
             try:
                 self._loop.call_soon_threadsafe(self._wake.set)
             except RuntimeError:  # the loop already finished
                 pass
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
 
     def _thread_main(self) -> None:
         asyncio.run(self._main())
@@ -159,8 +169,10 @@ class KVEventPublisher:
                             continue
                         next_beat = time.monotonic() + self._heartbeat_s
                     self._set_connected(True)
-                    if not wrote:
-                        await self._sleep(_FLUSH_INTERVAL_S)
+                    if wrote:
+                        await asyncio.sleep(_FLUSH_INTERVAL_S)
+                    else:
+                        await self._park(next_beat - time.monotonic())
                 except IndexUnavailableError as e:
                     self._needs_resync = True
                     self._set_connected(False, error=str(e))
@@ -205,8 +217,21 @@ class KVEventPublisher:
             else:
                 log.warning("kv_index_unavailable", replica_id=self.replica_id, error=error)
 
+    async def _park(self, seconds: float) -> None:
+        """Sleep until :meth:`publish` has events, or for ``seconds`` (until the next heartbeat)."""
+        self._parked = True
+        if self._pending:  # published since the last write, before the flag was up: no wake-up comes
+            self._parked = False
+            return
+        await self._sleep(seconds)
+        self._parked = False
+
     async def _sleep(self, seconds: float) -> None:
+        """Sleep for ``seconds``, or until woken (by publish() while parked, or by close())."""
         assert self._wake is not None
+        self._wake.clear()
+        if self._stopping:
+            return
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
         except TimeoutError:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 
 from gateway.config import default_model_path
 from gateway.schemas import ChatCompletionRequest
@@ -90,11 +92,46 @@ def test_system_probe_is_cached_per_system_prompt(tokenizer):
         "A cached system prompt.<|im_end|>\n")
 
 
+def probed_boundaries(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    """The reference for ChatPrompt.cache_boundaries: tokenize each probe and keep it if its text and
+    tokens are a prefix of the prompt's."""
+    text = tok.render(messages)
+    ids = tok.encode(text, False)
+    num_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    boundaries = []
+    for probe in ([messages[:num_system]] if 0 < num_system < len(messages) else []) + [messages]:
+        try:
+            probe_text = tok.render(probe, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 — the template refuses the partial conversation
+            continue
+        probe_ids = tok.encode(probe_text, False)
+        n = len(probe_ids)
+        if text.startswith(probe_text) and ids[:n] == probe_ids and 0 < n < len(ids) and n not in boundaries:
+            boundaries.append(n)
+    return boundaries
+
+
+@pytest.mark.parametrize("openai_messages", [c for c, _ in CONVERSATIONS])
+def test_boundaries_equal_tokenizing_each_probe(tokenizer, openai_messages):
+    messages = template_messages(openai_messages)
+    assert tokenizer.chat_prompt(messages).cache_boundaries == probed_boundaries(tokenizer, messages)
+
+
+def test_last_message_boundary_comes_from_the_prompts_own_tokens(tokenizer, monkeypatch):
+    # ChatML: the last message ends where <|im_start|>, an added token, begins; the tokenizer splits
+    # there first, so the prompt's tokens before it are the probe's, with no second tokenizing.
+    messages = template_messages(CONVERSATIONS[2][0])
+    expected = probed_boundaries(tokenizer, messages)
+    tokenizer.chat_prompt(messages)  # the system probe, tokenized once and cached
+    monkeypatch.setattr(tokenizer, "encode", lambda *args: pytest.fail("a probe was tokenized again"))
+    assert tokenizer.chat_prompt(messages).cache_boundaries == expected
+
+
 @pytest.fixture(scope="module")
 def make_template_tokenizer(hf_tokenizer, tmp_path_factory):
     """A Tokenizer over the same vocabulary with another chat template, loaded from an HF directory."""
 
-    def make(template: str) -> tuple[Tokenizer, object]:
+    def make(template: str, added_tokens: Sequence[AddedToken] = ()) -> tuple[Tokenizer, object]:
         path = tmp_path_factory.mktemp("hf")
         original = hf_tokenizer.chat_template
         hf_tokenizer.chat_template = template
@@ -103,6 +140,7 @@ def make_template_tokenizer(hf_tokenizer, tmp_path_factory):
         finally:
             hf_tokenizer.chat_template = original
         hf = load_hf_tokenizer(str(path), Path(path))
+        hf.add_tokens(list(added_tokens))
         return Tokenizer(hf), hf
 
     return make
@@ -132,9 +170,7 @@ def test_other_templates_from_tokenizer_config_match_apply_chat_template(make_te
                                                      add_generation_prompt=True)
         assert prompt.token_ids == list(hf.apply_chat_template(expected or openai_messages, tokenize=True,
                                                                add_generation_prompt=True, return_dict=False))
-        for b in prompt.cache_boundaries:  # every boundary is a verified token prefix
-            probe_text = tok.decode(prompt.token_ids[:b], skip_special_tokens=False)
-            assert prompt.text.startswith(probe_text)
+        assert prompt.cache_boundaries == probed_boundaries(tok, messages)
 
 
 def test_probe_that_is_no_text_prefix_gives_no_boundary(make_template_tokenizer):
@@ -150,6 +186,18 @@ def test_probe_that_is_no_token_prefix_gives_no_boundary(make_template_tokenizer
     assert tok.encode("Saying", False)[: len(tok.encode("Say", False))] != tok.encode("Say", False)
     prompt = tok.chat_prompt([{"role": "user", "content": "Say"}])
     assert prompt.text == "Saying" and prompt.cache_boundaries == []
+
+
+def test_added_token_that_strips_the_space_before_it_gets_no_shortcut(make_template_tokenizer):
+    # "<|sep|>" swallows the space before it, so "hi <|sep|>" tokenizes as [hi, <|sep|>] while the
+    # probe "hi " is [hi, Ġ]: no true prefix, though an added token begins where the probe ends.
+    tok, _ = make_template_tokenizer("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                                     "{% if add_generation_prompt %}<|sep|>{% endif %}",
+                                     [AddedToken("<|sep|>", lstrip=True, special=True)])
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = tok.chat_prompt(messages)
+    assert prompt.text == "hi <|sep|>" and len(prompt.token_ids) == 2
+    assert prompt.cache_boundaries == probed_boundaries(tok, messages) == []
 
 
 def test_token_bytes_rebuild_the_text_exactly(tokenizer):

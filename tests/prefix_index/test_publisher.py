@@ -70,6 +70,34 @@ async def _matched(index, hashes, expected):
     return (await index.lookup(hashes)).get("engine-0") == expected
 
 
+async def test_an_idle_publisher_sleeps_until_the_next_event(backend_url, namespace, open_test_index):
+    """No polling while the engine is idle, and an event goes out at once, not at the next heartbeat."""
+    index = open_test_index()
+    h = chain(3)
+    publisher = KVEventPublisher(backend_url, "engine-0", "m", 16, 60.0, snapshot=FakeEngineCache(h[:1]).snapshot,
+                                 namespace=namespace)
+    passes = 0
+    write_pending = publisher._write_pending
+
+    async def counted():
+        nonlocal passes
+        passes += 1
+        return await write_pending()
+
+    publisher._write_pending = counted
+    publisher.start()
+    try:
+        await wait_until(lambda: _matched(index, h, 1), what="the resync")
+        await asyncio.sleep(0.1)
+        idle_from = passes
+        await asyncio.sleep(0.5)
+        assert passes == idle_from  # polling every 5 ms would have made ~100 passes
+        publisher.publish([BlockStored(h[1:3], parent_hash=h[0])])
+        await wait_until(lambda: _matched(index, h, 3), timeout_s=2.0, what="the event, well before the heartbeat")
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+
 async def test_resync_of_a_large_branching_cache(backend_url, namespace, open_test_index):
     """Two prompts sharing 700 blocks, snapshotted in an interleaved order, over several writes."""
     index = open_test_index()
