@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -254,6 +256,30 @@ def replica_counters(engines: Sequence[Service]) -> list[dict]:
     return rows
 
 
+def cpu_seconds(service: Service) -> float:
+    times = psutil.Process(service.proc.pid).cpu_times()
+    return times.user + times.system
+
+
+def measure_cpu(engines: Sequence[Service], gateways: Sequence[Service], run: Callable[[], None]) -> dict:
+    """CPU seconds the engines, the gateways and Locust (a child that ``run`` starts and waits for) spend
+    while ``run`` runs, and its wall time: the cost of the workload under a policy, whatever its latency."""
+    engines_before = [cpu_seconds(e) for e in engines]
+    gateways_before = [cpu_seconds(g) for g in gateways]
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    run()
+    wall_s = time.monotonic() - start
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "cores": os.cpu_count(),
+        "wall_s": round(wall_s, 2),
+        "engines_s": round(sum(map(cpu_seconds, engines)) - sum(engines_before), 2),
+        "gateways_s": round(sum(map(cpu_seconds, gateways)) - sum(gateways_before), 2),
+        "locust_s": round(children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime, 2),
+    }
+
+
 def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Sequence[Service], out: Path) -> None:
     argv = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
             "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
@@ -288,9 +314,10 @@ def run_policy(args: argparse.Namespace, policy: str, model: str, workload: Work
         gateways = start_gateways(started, args, policy, flags, engines, out)
         print(f"[{policy}] {len(engines)} engines and {len(gateways)} gateway(s) ready in "
               f"{time.monotonic() - t0:.0f} s; locust: {args.users} users for {args.duration} s", flush=True)
-        run_locust(args, workload, gateways, out)
+        cpu = measure_cpu(engines, gateways, lambda: run_locust(args, workload, gateways, out))
         for service in started:
             service.check_alive()
+        (out / "cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
         (out / "replicas.json").write_text(json.dumps(replica_counters(engines), indent=2) + "\n")
     return stats
 

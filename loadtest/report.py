@@ -246,6 +246,9 @@ def write_report(out: Path, tokenizer: Any | None = None) -> dict[str, Any]:
         replicas = out / name / "replicas.json"
         if replicas.is_file():
             policies[name]["replicas"] = json.loads(replicas.read_text())
+        cpu = out / name / "cpu.json"
+        if cpu.is_file():
+            policies[name]["cpu"] = cpu_summary(json.loads(cpu.read_text()), policies[name]["requests"])
     summary = {"run": run, "policies": policies, "comparison": compare(policies)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with (out / "requests.csv").open("w", newline="") as f:
@@ -262,21 +265,33 @@ def write_report(out: Path, tokenizer: Any | None = None) -> dict[str, Any]:
     return summary
 
 
+def cpu_summary(cpu: dict[str, Any], requests: int) -> dict[str, Any]:
+    """``cpu.json`` of a policy, with the engines' CPU seconds per request and the share of the
+    machine's cores that the whole run kept busy."""
+    total = cpu["engines_s"] + cpu["gateways_s"] + cpu["locust_s"]
+    return {**cpu, "engine_s_per_request": round(cpu["engines_s"] / requests, 3) if requests else None,
+            "busy_fraction": round(total / (cpu["wall_s"] * cpu["cores"]), 3) if cpu["wall_s"] else None}
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def format_table(summary: dict[str, Any]) -> str:
     """A plain-text table of the headline numbers, one policy per line."""
     lines = [f"{'policy':<12} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-             f"{'hit':>6} {'ideal':>6} {'of ideal':>8} {'tok/s':>7} {'late':>5}"]
+             f"{'hit':>6} {'ideal':>6} {'of ideal':>8} {'tok/s':>7} {'late':>5} {'engine s/req':>12}"]
     for name, s in summary["policies"].items():
         t = s["ttft_ms"]
         of_ideal = "-" if s["hit_rate_of_ideal"] is None else f"{s['hit_rate_of_ideal']:.0%}"
         lines.append(f"{name:<12} {s['requests']:>5} {s['failures']:>4} {_ms(t['p50']):>9} {_ms(t['p90']):>8} "
                      f"{_ms(t['p99']):>8} {_ms(s['itl_ms']['p50']):>8} {s['hit_rate']:>6.1%} "
                      f"{s['ideal_hit_rate']:>6.1%} {of_ideal:>8} {s['output_tokens_per_s']:>7.1f} "
-                     f"{s['late_starts']:>5}")
+                     f"{s['late_starts']:>5} {_seconds(s.get('cpu', {}).get('engine_s_per_request')):>12}")
     return "\n".join(lines)
 
 

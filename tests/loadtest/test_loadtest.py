@@ -282,6 +282,8 @@ def test_report_of_a_run_directory(tmp_path: Path):
             writer.write(record(50.0 + i, turn, 100.0 * (i + 1), cached=4 * turn, prompt=prompt, conversation=conv))
         writer.close()
     (tmp_path / "least-load" / "replicas.json").write_text(json.dumps([{"replica": "engine-0", "requests": 3}]))
+    cpu = {"cores": 2, "wall_s": 10.0, "engines_s": 6.0, "gateways_s": 1.5, "locust_s": 0.5}
+    (tmp_path / "least-load" / "cpu.json").write_text(json.dumps(cpu))
 
     summary = report.write_report(tmp_path, tokenizer=tok)
 
@@ -294,6 +296,10 @@ def test_report_of_a_run_directory(tmp_path: Path):
         assert s["prompt_tokens"] == ideal.prompt_tokens
         assert ideal.cached_tokens > 0  # later turns reuse earlier ones
     assert summary["policies"]["least-load"]["replicas"] == [{"replica": "engine-0", "requests": 3}]
+    assert summary["policies"]["least-load"]["cpu"] == {**cpu, "engine_s_per_request": 2.0, "busy_fraction": 0.4}
+    assert "cpu" not in summary["policies"]["round-robin"]
+    table = report.format_table(summary).splitlines()
+    assert table[0].endswith("engine s/req") and table[1].endswith(" -") and table[2].endswith(" 2.00")
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     rows = (tmp_path / "requests.csv").read_text().splitlines()
     assert rows[0].startswith("policy,start,kind") and len(rows) == 1 + 4 + 3
@@ -358,6 +364,9 @@ def test_ab_smoke_one_engine_one_user(tmp_path: Path):
     block = summary["run"]["block_size"]
     assert s["ideal_cached_tokens"] <= s["cached_tokens"] <= s["ideal_cached_tokens"] + (block - 1) * s["requests"]
     assert [r["requests"] for r in s["replicas"]] == [s["requests"]]
+    cpu = s["cpu"]  # measured over Locust's run, at least the 10 s of load
+    assert cpu["wall_s"] >= 10 and cpu["engines_s"] > 0 and cpu["gateways_s"] > 0 and cpu["locust_s"] > 0
+    assert cpu["engine_s_per_request"] == round(cpu["engines_s"] / s["requests"], 3)
     records = read_records(out / "least-load" / "requests.csv")
     assert [(r.conversation, r.turn) for r in records][:4] == [(0, 0), (0, 1), (0, 2), (1, 0)][: len(records)]
     firsts = [r for r in records if r.turn == 0]
