@@ -15,6 +15,8 @@ import re
 import shutil
 import tempfile
 import time
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +30,9 @@ from gateway.errors import APIError
 log = structlog.get_logger("gateway.tokenizer")
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# A prompt continues a cached conversation when one of its last this many message prefixes is cached
+# (a new turn appends an answer and a user message; an agent's, tool calls and results too).
+CONTINUATION_LOOKBACK = 8
 
 
 def load_hf_tokenizer(path: str, cache_dir: Path) -> Any:
@@ -72,6 +77,33 @@ def _save_atomically(tok: Any, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class ConversationTokens:
+    """Token ids of recent conversations, keyed by their text through the last message (rendered
+    without a generation prompt); least recently used out first, past ``max_tokens`` in all."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self._entries: OrderedDict[str, array] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, text: str) -> array | None:
+        ids = self._entries.get(text)
+        if ids is not None:
+            self._entries.move_to_end(text)
+        return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if text in self._entries or len(ids) > self.max_tokens:
+            return
+        self._entries[text] = array("i", ids)
+        self.num_tokens += len(ids)
+        while self.num_tokens > self.max_tokens:
+            self.num_tokens -= len(self._entries.popitem(last=False)[1])
+
+
 class ChatPrompt(NamedTuple):
     text: str
     token_ids: list[int]
@@ -79,9 +111,16 @@ class ChatPrompt(NamedTuple):
 
 
 class Tokenizer:
-    """One per process, used from the event loop; its token-bytes and system-probe caches grow on use."""
+    """One per process, used from the event loop; its token-bytes and system-probe caches grow on use.
 
-    def __init__(self, hf_tokenizer: Any, probe_cache_size: int = 1024):
+    A multi-turn conversation is tokenized once: each chat prompt's tokens through its last message
+    are kept (``conversation_cache_tokens`` in all, ~8 bytes each with the text), and the next turn,
+    which renders as that text followed by an added token (``<|im_start|>``), tokenizes only what
+    follows it (:meth:`_encode_continuing`).
+    """
+
+    def __init__(self, hf_tokenizer: Any, probe_cache_size: int = 1024,
+                 conversation_cache_tokens: int = 4_000_000):
         from transformers.convert_slow_tokenizer import bytes_to_unicode
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -98,7 +137,10 @@ class Tokenizer:
         # Its render_jinja_template wrapper deep-copies every message on each call: for our plain
         # string dicts a no-op that costs as much as the rendering itself.
         self._template = _compile_jinja_template(self.chat_template) if self.chat_template else None
-        self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
+        self._added_tokens = self.backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(self._added_tokens)
+        self._segment_starts: dict[int, bool] = {}
+        self._conversations = ConversationTokens(conversation_cache_tokens)
         self._byte_decoder = (
             {c: b for b, c in bytes_to_unicode().items()} if isinstance(self.backend.decoder, ByteLevel) else None
         )
@@ -153,8 +195,7 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict[str, Any]]) -> ChatPrompt:
         """Render and tokenize, and probe where the system prompt and the last message end."""
         text = self.render(messages)
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        ids = encoding.ids
+        ids, tail, tail_start = self._encode_continuing(messages, text)
         boundaries: list[int] = []
         num_system = 0
         while num_system < len(messages) and messages[num_system]["role"] == "system":
@@ -164,12 +205,52 @@ class Tokenizer:
             self._add_boundary(boundaries, self._token_prefix(self._probe_tokens(key), text, ids), len(ids))
         last_text = self._render_probe(messages)
         if last_text is not None and text.startswith(last_text):
-            end = self._split_before_added_token(encoding, len(last_text))
+            end = self._split_before_added_token(tail, len(last_text) - tail_start)
             if end is None:  # no shortcut: tokenize the probe and compare
                 end = self._token_prefix((last_text, self.encode(last_text, False)), text, ids)
+            else:
+                end += len(ids) - len(tail.ids)
             self._add_boundary(boundaries, end, len(ids))
+            if end is not None and 0 < end < len(ids):
+                self._conversations.put(last_text, ids[:end])
         log.debug("cache_boundaries", boundaries=boundaries, prompt_tokens=len(ids))
         return ChatPrompt(text, ids, boundaries)
+
+    def _encode_continuing(self, messages: list[dict[str, Any]],
+                           text: str) -> tuple[list[int], tokenizers.Encoding, int]:
+        """The prompt's token ids, the encoding of the part tokenized now, and where in ``text`` it starts.
+
+        When one of the last :data:`CONTINUATION_LOOKBACK` message prefixes is a cached conversation
+        and the prompt goes on from its text with a token that always starts a segment
+        (:meth:`_starts_segment`), only the rest is tokenized: the tokenizer splits the text there
+        before anything else and tokenizes the pieces independently, so the ids are the cached ones
+        followed by the rest's.
+        """
+        for k in range(len(messages) - 1, max(0, len(messages) - 1 - CONTINUATION_LOOKBACK), -1):
+            prefix = self._render_probe(messages[:k])
+            head = self._conversations.get(prefix) if prefix is not None and text.startswith(prefix) else None
+            if head is not None:
+                tail = self.backend.encode(text[len(prefix):], add_special_tokens=False)
+                if tail.ids and tail.offsets[0][0] == 0 and self._starts_segment(tail.ids[0]):
+                    return [*head, *tail.ids], tail, len(prefix)
+                break
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding, 0
+
+    def _starts_segment(self, token_id: int) -> bool:
+        """Whether the tokenizer splits every text right before this token: an added token that
+        takes no whitespace before it, matches within words and on the raw text, and that no added
+        token can overlap from the left (as ``xy`` would ``yz``)."""
+        known = self._segment_starts.get(token_id)
+        if known is None:
+            token = self._added_tokens.get(token_id)
+            known = token is not None and not (token.lstrip or token.single_word or token.normalized)
+            if known:
+                c = token.content
+                known = not any(other.content[j:].startswith(c) or c.startswith(other.content[j:])
+                                for other in self._added_tokens.values() for j in range(1, len(other.content)))
+            self._segment_starts[token_id] = known
+        return known
 
     def _probe_tokens_uncached(self, key: tuple) -> tuple[str, list[int]] | None:
         text = self._render_probe([dict(items) for items in key])
@@ -183,19 +264,19 @@ class Tokenizer:
             return None
 
     def _split_before_added_token(self, encoding: tokenizers.Encoding, end: int) -> int | None:
-        """How many of the prompt's tokens lie before character ``end`` (where a probe's text ends),
-        if an added token (``<|im_start|>``, ``<|eot_id|>``, ...) begins right there; else None.
+        """How many of the encoding's tokens lie before character ``end`` (where a probe's text ends),
+        if a token that starts a segment (:meth:`_starts_segment`: ``<|im_start|>``, ...) begins
+        right there; else None.
 
         Tokenizers split the text at added tokens before anything else, and tokenize the pieces
         between them independently, so the tokens before such a split are exactly those of the
-        prefix alone: the probe's boundary without tokenizing it again (for a long conversation,
-        half the gateway's tokenizing). The offsets must show the split: the previous token ends at
-        it (no whitespace stripped into the added token) and the added token starts there.
+        prefix alone: the probe's boundary without tokenizing it again. The offsets must show the
+        split: the previous token ends at it and the added token starts there.
         """
         offsets = encoding.offsets
         n = bisect.bisect_left(offsets, (end,))
         if (0 < n < len(offsets) and offsets[n][0] == end and offsets[n - 1][1] == end
-                and encoding.ids[n] in self._added_ids):
+                and self._starts_segment(encoding.ids[n])):
             return n
         return None
 

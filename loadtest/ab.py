@@ -271,12 +271,13 @@ def measure_cpu(engines: Sequence[Service], gateways: Sequence[Service], run: Ca
     run()
     wall_s = time.monotonic() - start
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    locust_s = children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime
     return {
         "cores": os.cpu_count(),
         "wall_s": round(wall_s, 2),
         "engines_s": round(sum(map(cpu_seconds, engines)) - sum(engines_before), 2),
         "gateways_s": round(sum(map(cpu_seconds, gateways)) - sum(gateways_before), 2),
-        "locust_s": round(children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime, 2),
+        "locust_s": round(locust_s, 2),
     }
 
 

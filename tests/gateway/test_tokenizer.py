@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 
 from gateway.config import default_model_path
 from gateway.schemas import ChatCompletionRequest
-from gateway.tokenizer import Tokenizer, load_hf_tokenizer
+from gateway.tokenizer import ConversationTokens, Tokenizer, load_hf_tokenizer
 
 # OpenAI-shaped conversations, and what the chat template sees of them (developer → system, text parts
 # joined with newlines).
@@ -127,6 +127,73 @@ def test_last_message_boundary_comes_from_the_prompts_own_tokens(tokenizer, monk
     assert tokenizer.chat_prompt(messages).cache_boundaries == expected
 
 
+class RecordingBackend:
+    """The tokenizers backend, recording the texts it is asked to encode."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.texts: list[str] = []
+
+    def encode(self, text, **kwargs):
+        self.texts.append(text)
+        return self.backend.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+AGENT_TURNS = [
+    ("Read the file <|im_start|>notes.txt please", "Reading it: ünïcödé 🙂 and a literal <|im_end|> inside."),
+    ("  leading spaces\n\n\ttabs and CRLF\r\n", "ok"),
+    ("", "an empty question gets this"),
+    ("Finish: once upon a", " time"),
+]
+
+
+def converse(tok: Tokenizer, system: str | None = "You are an agent. " * 40):
+    """A conversation turn by turn, as an agent sends it: each prompt, with what its tokenizer encoded."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for question, answer in AGENT_TURNS:
+        messages.append({"role": "user", "content": question})
+        tok.backend.texts.clear()
+        yield list(messages), tok.chat_prompt(list(messages)), list(tok.backend.texts)
+        messages.append({"role": "assistant", "content": answer})
+
+
+@pytest.mark.parametrize("system", ["You are an agent. " * 40, None])
+def test_a_conversation_is_tokenized_once(hf_tokenizer, system):
+    tok = Tokenizer(hf_tokenizer)
+    tok.backend = RecordingBackend(tok.backend)
+    for turn, (messages, prompt, encoded) in enumerate(converse(tok, system)):
+        assert prompt.token_ids == list(hf_tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+        assert prompt.cache_boundaries == probed_boundaries(tok, messages)
+        if turn:  # only what follows the previous turn's last message: the answer and the new question
+            previous = tok.render(messages[:-2], add_generation_prompt=False)
+            assert encoded == [prompt.text[len(previous):]]
+        else:
+            assert prompt.text in encoded
+
+
+def test_a_conversation_evicted_from_the_cache_is_tokenized_whole(hf_tokenizer):
+    tok = Tokenizer(hf_tokenizer, conversation_cache_tokens=1)  # holds nothing
+    tok.backend = RecordingBackend(tok.backend)
+    for messages, prompt, encoded in converse(tok):
+        assert prompt.text in encoded
+        assert prompt.cache_boundaries == probed_boundaries(tok, messages)
+
+
+def test_conversation_tokens_keep_the_most_recently_used():
+    cache = ConversationTokens(max_tokens=6)
+    cache.put("a", [1, 2])
+    cache.put("b", [3, 4])
+    assert list(cache.get("a")) == [1, 2]  # now the most recently used
+    cache.put("c", [5, 6, 7])  # 7 tokens: the least recently used, b, goes
+    assert cache.get("b") is None and list(cache.get("c")) == [5, 6, 7] and cache.num_tokens == 5
+    cache.put("d", list(range(7)))  # larger than the whole cache: not kept
+    assert cache.get("d") is None and len(cache) == 2
+
+
 @pytest.fixture(scope="module")
 def make_template_tokenizer(hf_tokenizer, tmp_path_factory):
     """A Tokenizer over the same vocabulary with another chat template, loaded from an HF directory."""
@@ -198,6 +265,21 @@ def test_added_token_that_strips_the_space_before_it_gets_no_shortcut(make_templ
     prompt = tok.chat_prompt(messages)
     assert prompt.text == "hi <|sep|>" and len(prompt.token_ids) == 2
     assert prompt.cache_boundaries == probed_boundaries(tok, messages) == []
+
+
+@pytest.mark.parametrize("added", [
+    AddedToken("\n<|im_start|>", special=True),  # overlaps <|im_start|> from the left: "\n" no longer splits
+    AddedToken("<|im_start|>", lstrip=True, special=True),  # takes the "\n" before it
+])
+def test_no_continuation_where_the_split_is_not_certain(make_template_tokenizer, hf_tokenizer, added):
+    tok, hf = make_template_tokenizer(hf_tokenizer.chat_template, [added])
+    assert not tok._starts_segment(tok.backend.token_to_id("<|im_start|>"))
+    tok.backend = RecordingBackend(tok.backend)
+    for messages, prompt, encoded in converse(tok):
+        assert prompt.token_ids == list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                               return_dict=False))
+        assert prompt.cache_boundaries == probed_boundaries(tok, messages)
+        assert prompt.text in encoded
 
 
 def test_token_bytes_rebuild_the_text_exactly(tokenizer):
