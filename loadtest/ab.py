@@ -261,24 +261,24 @@ def cpu_seconds(service: Service) -> float:
     return times.user + times.system
 
 
-def measure_cpu(engines: Sequence[Service], gateways: Sequence[Service], run: Callable[[], None]) -> dict:
-    """CPU seconds the engines, the gateways and Locust (a child that ``run`` starts and waits for) spend
-    while ``run`` runs, and its wall time: the cost of the workload under a policy, whatever its latency."""
-    engines_before = [cpu_seconds(e) for e in engines]
-    gateways_before = [cpu_seconds(g) for g in gateways]
-    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.monotonic()
-    run()
-    wall_s = time.monotonic() - start
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    locust_s = children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime
-    return {
-        "cores": os.cpu_count(),
-        "wall_s": round(wall_s, 2),
-        "engines_s": round(sum(map(cpu_seconds, engines)) - sum(engines_before), 2),
-        "gateways_s": round(sum(map(cpu_seconds, gateways)) - sum(gateways_before), 2),
-        "locust_s": round(locust_s, 2),
-    }
+class CpuMeter:
+    """CPU seconds that the engines, the gateways and Locust (this process's children that end and are
+    waited for meanwhile) spend from the meter's creation to :meth:`read`: the cost of the workload
+    under a policy, whatever its latency."""
+
+    def __init__(self, engines: Sequence[Service], gateways: Sequence[Service]):
+        self.engines, self.gateways = engines, gateways
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (time.monotonic(), sum(map(cpu_seconds, self.engines)), sum(map(cpu_seconds, self.gateways)),
+                children.ru_utime + children.ru_stime)
+
+    def read(self) -> dict:
+        wall_s, engines_s, gateways_s, locust_s = (b - a for a, b in zip(self._start, self._sample()))
+        return {"cores": os.cpu_count(), "wall_s": round(wall_s, 2), "engines_s": round(engines_s, 2),
+                "gateways_s": round(gateways_s, 2), "locust_s": round(locust_s, 2)}
 
 
 def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Sequence[Service], out: Path) -> None:
@@ -315,10 +315,11 @@ def run_policy(args: argparse.Namespace, policy: str, model: str, workload: Work
         gateways = start_gateways(started, args, policy, flags, engines, out)
         print(f"[{policy}] {len(engines)} engines and {len(gateways)} gateway(s) ready in "
               f"{time.monotonic() - t0:.0f} s; locust: {args.users} users for {args.duration} s", flush=True)
-        cpu = measure_cpu(engines, gateways, lambda: run_locust(args, workload, gateways, out))
+        meter = CpuMeter(engines, gateways)
+        run_locust(args, workload, gateways, out)
         for service in started:
             service.check_alive()
-        (out / "cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
+        (out / "cpu.json").write_text(json.dumps(meter.read(), indent=2) + "\n")
         (out / "replicas.json").write_text(json.dumps(replica_counters(engines), indent=2) + "\n")
     return stats
 
