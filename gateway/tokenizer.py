@@ -138,7 +138,6 @@ class Tokenizer:
         # string dicts a no-op that costs as much as the rendering itself.
         self._template = _compile_jinja_template(self.chat_template) if self.chat_template else None
         self._added_tokens = self.backend.get_added_tokens_decoder()
-        self._added_ids = frozenset(self._added_tokens)
         self._segment_starts: dict[int, bool] = {}
         self._conversations = ConversationTokens(conversation_cache_tokens)
         self._byte_decoder = (
@@ -166,7 +165,7 @@ class Tokenizer:
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id in self._added_ids:
+        if token_id in self._added_tokens:
             return piece.encode()
         if self._byte_decoder is not None:
             try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gw_harness import Proc, start_gateway
+from gw_harness import Proc, lines_for, start_gateway
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_forwarded_for_is_ignored_without_trusted_proxies(spawning_gateway):
     resp = httpx.get(spawning_gateway.url + "/v1/models", headers={"X-Forwarded-For": "203.0.113.9",
                                                                     "X-Request-Id": "untrusted-xff"})
     assert resp.status_code == 200
-    (line,) = [x for x in spawning_gateway.log_lines() if x.get("request_id") == "untrusted-xff"]
+    (line,) = lines_for(spawning_gateway, "untrusted-xff")
     assert line["client"] == "127.0.0.1"
 
 
