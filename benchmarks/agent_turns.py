@@ -166,7 +166,7 @@ def main() -> None:
                     num_kv_blocks=args.kv_tokens // block_size,
                     max_num_batched_tokens=2048, max_partial_entries_fraction=0.25 if entries else 0.0,
                 )
-                core = EngineCore(engine_config, model, config)
+                core = EngineCore.from_model(engine_config, model, config)
                 start = time.perf_counter()
                 records = run(core, args, thinking)
                 print(json.dumps(summarize(records, block_size, thinking, entries, time.perf_counter() - start)),

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
 from engine.models.loader import default_model_path  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
@@ -45,7 +46,7 @@ class Ours:
         cfg = EngineConfig(model=model_path, max_num_batched_tokens=max(prompt_len, 2048), num_kv_blocks=2048,
                            enable_prefix_caching=prefix_caching)
         self.core = EngineCore.from_config(cfg)
-        self.core.warmup()
+        warmup(self.core)
         self.runs = 0
 
     def generate(self, batch: list[list[int]], max_tokens: int) -> float:

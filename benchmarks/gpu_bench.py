@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
 from engine.models.hf_twin import hf_twin  # noqa: E402
 from engine.models.llama import LlamaForCausalLM  # noqa: E402
@@ -146,7 +147,7 @@ def make_engine(model: str, **settings) -> EngineCore:
     config = EngineConfig(model=model, load_format="dummy", device="cuda", **settings)
     t0 = time.perf_counter()
     core = EngineCore.from_config(config)
-    core.warmup()
+    warmup(core)
     emit(
         bench="engine_start", model=model, seconds=round(time.perf_counter() - t0, 1),
         num_kv_blocks=core.kv.num_blocks, kv_tokens=core.kv.num_blocks * core.kv.block_size,

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -44,7 +45,7 @@ class Engine:
         config = EngineConfig(model=args.model, load_format=args.load_format, max_num_batched_tokens=BUDGET,
                               prefill_pack_tokens=pack, kv_cache_memory_gb=2.0)
         self.core = EngineCore.from_config(config)
-        self.core.warmup()
+        warmup(self.core)
         self.runs = 0
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], float]:

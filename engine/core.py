@@ -1,28 +1,31 @@
-"""EngineCore: one loop, three verbs — schedule → run → postprocess. Not thread-safe."""
+"""EngineCore: one loop, three verbs: schedule → run → update (the scheduler records the step).
+
+The core owns the requests by id and turns each step's sequences into frames; the model runner is
+injected (:class:`Runner`), so its bookkeeping runs without a model in tests. Not thread-safe.
+"""
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
-from engine.model_runner import ModelRunner, SampledToken, kv_bytes_per_block
+from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.protocol import GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
 from engine.request import Sequence, Status
-from engine.scheduler import Scheduler
+from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from prefix_index.events import KVEvent
+from prefix_index.hashing import BlockHash
 from kernels import load_ops
 
 log = structlog.get_logger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WARMUP_SALT = "kvgate-warmup"
-_WARMUP_DECODES = 4
 CPU_KV_CACHE_GB = 1.0
 
 
@@ -35,38 +38,41 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (not served from cache)
-    generation_tokens: int = 0
-    requests_finished: int = 0
     busy_seconds: float = 0.0
 
 
+class Runner(Protocol):
+    """What the core needs of a model runner (:class:`engine.model_runner.ModelRunner`)."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def profile_memory(self, num_tokens: int, gpu_memory_utilization: float) -> MemoryProfile: ...
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]: ...
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, runner: Runner):
         self.config = config
-        self.model_config = model_config
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config)
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
-        self.runner = ModelRunner(
-            model, model_config, self.device, self.dtype, config.block_size, config.max_num_seqs,
-            self.max_model_len,
-        )
+        self.runner = runner
+        self.model_config = model_config = runner.config
+        self.device, self.dtype, self.max_model_len = runner.device, runner.dtype, runner.max_model_len
         num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
             max_partial_entries=int(num_blocks * config.max_partial_entries_fraction),
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.resolved_prefill_pack_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
+            eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len,
+        )
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
-        self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
-        self._held_siblings: dict[str, list[Sequence]] = {}  # n > 1: admitted once seq 0 has prefilled
         self.counters = EngineCounters()
         log.info(
             "kv_cache_ready",
@@ -78,6 +84,17 @@ class EngineCore:
         )
 
     @classmethod
+    def from_model(cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig) -> EngineCore:
+        max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        runner = ModelRunner(
+            model, model_config, torch.device(config.device), resolve_dtype(config), config.block_size,
+            config.max_num_seqs, max_model_len,
+        )
+        return cls(config, runner)
+
+    @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
         from engine.models.loader import load_model
 
@@ -86,7 +103,7 @@ class EngineCore:
             config.model, config.load_format, torch.device(config.device), resolve_dtype(config),
             load_ops(config.resolved_kernel_backend),
         )
-        return cls(config, model, model_config)
+        return cls.from_model(config, model, model_config)
 
     def _num_kv_blocks(self) -> int:
         """--num-kv-blocks, else --kv-cache-memory, else on CUDA what --gpu-memory-utilization
@@ -148,22 +165,17 @@ class EngineCore:
             for i in range(sampling.n)
         ]
         self.requests[rid] = seqs
-        self.scheduler.add(seqs[0])
-        if len(seqs) > 1:
-            self._held_siblings[rid] = seqs[1:]
+        self.scheduler.add_request(seqs)
 
     def abort(self, request_id: str) -> list[OutputFrame]:
         """Finish every unfinished sequence of the request with reason "abort"; frees blocks."""
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
             return []
-        held = self._held_siblings.pop(request_id, [])
         frames = []
         for seq in seqs:
             if seq.status is not Status.FINISHED:
-                if seq not in held:
-                    self.scheduler.finish(seq, "abort")
-                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                self.scheduler.finish(seq, "abort")
                 frames.append(self._frame(seq))
         return frames
 
@@ -173,13 +185,17 @@ class EngineCore:
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[OutputFrame]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
             return []
         self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
-        sampled = self.runner.execute(sched.scheduled)
-        frames = self._postprocess(sched.scheduled, sampled)
+        sampled = self.runner.execute(scheduled)
+        outputs = self.scheduler.update(scheduled, sampled)
         self._copy_blocks()  # new entries, while their source pages still hold this step's KV
+        frames = [self._frame(seq) for seq in outputs]
+        for seq in outputs:
+            if seq.finish_reason is not None:
+                self._retire(seq.request_id)
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
         return frames
@@ -189,46 +205,10 @@ class EngineCore:
         if copies:
             self.runner.copy_blocks(copies)
 
-    def _postprocess(self, scheduled, sampled: list[SampledToken]) -> list[OutputFrame]:
-        for seq, num_new in scheduled:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.counters.prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(seq)
-            siblings = self._held_siblings.get(seq.request_id)
-            if siblings and seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                for sibling in self._held_siblings.pop(seq.request_id):
-                    self.scheduler.add(sibling)
-        frames = []
-        for seq, token_id, logprob in sampled:
-            seq.append_token(token_id)
-            if logprob is not None:
-                seq.pending_logprobs.append(logprob)
-            self.counters.generation_tokens += 1
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            frames.append(self._frame(seq))
-            if reason is not None:
-                self._retire(seq)
-        return frames
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        p = seq.sampling
-        num_out = len(seq.output_ids)
-        if num_out >= p.min_tokens and (
-            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
-        ):
-            return "stop"
-        if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _retire(self, seq: Sequence) -> None:
-        seqs = self.requests.get(seq.request_id)
+    def _retire(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
         if seqs is not None and all(s.status is Status.FINISHED for s in seqs):
-            del self.requests[seq.request_id]
-            self.counters.requests_finished += 1
+            del self.requests[request_id]
 
     def _frame(self, seq: Sequence) -> OutputFrame:
         new_tokens = seq.output_ids[seq.num_sent_tokens :]
@@ -260,6 +240,13 @@ class EngineCore:
     def check_integrity(self) -> BlockCounts:
         return self.kv.check_integrity(self.live_sequences())
 
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.drain_events()
+
+    def kv_snapshot(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        """Every cached block's (hash, parent); thread-safe (the KV event publisher calls it)."""
+        return self.kv.snapshot()
+
     def stats(self) -> dict:
         kv = self.kv
         return {
@@ -268,9 +255,9 @@ class EngineCore:
             "block_size": kv.block_size,
             "max_model_len": self.max_model_len,
             "vocab_size": self.model_config.vocab_size,
-            "eos_token_ids": sorted(self.eos_token_ids),
+            "eos_token_ids": sorted(self.scheduler.eos_token_ids),
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + sum(map(len, self._held_siblings.values())),
+            "num_waiting": self.scheduler.num_waiting,
             "num_requests": len(self.requests),
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_blocks,
@@ -284,65 +271,3 @@ class EngineCore:
             "max_num_seqs": self.config.max_num_seqs,
             **{f"total_{name}": getattr(self.counters, name) for name in EngineCounters.__dataclass_fields__},
         }
-
-    def warmup(self) -> None:
-        """Pay every first-call cost before the first request: capture the decode CUDA graphs,
-        then run through the whole engine a prefill of each power-of-two length up to a full
-        chunk (one short prefill on the CPU, which compiles nothing), and decode steps that admit
-        a prefill (mixed batches) at a short and a long context with a sampled request (penalties,
-        top-k/p, logprobs), so that every kernel variant is compiled and loaded."""
-        start = time.perf_counter()
-        graph_bytes = 0
-        buckets: list[int] = []
-        if self._use_cuda_graphs():
-            graph_bytes = self.runner.capture_decode_graphs()
-            buckets = self.runner.decode_graphs.buckets
-        cuda = self.device.type == "cuda"
-        # Two warmup sequences run at once; each may take half of the pool.
-        limit = max(1, min(self.max_model_len, self.kv.num_blocks * self.kv.block_size // 2) - _WARMUP_DECODES)
-        chunk = min(self.config.max_num_batched_tokens, limit) if cuda else min(limit, 64)
-        prompts = itertools.count()
-        for length in [2**k for k in range(4, chunk.bit_length()) if cuda and 2**k < chunk] + [chunk]:
-            self._warmup_run(prompts, [length])
-        self._warmup_run(prompts, [min(8, limit), min(8, limit)])  # one block: a single split
-        self._warmup_run(prompts, [min(300, limit), min(200, limit)])  # split-K decode
-        self.counters = EngineCounters()
-        log.info(
-            "warmup_done",
-            seconds=round(time.perf_counter() - start, 2),
-            cuda_graph_buckets=buckets,
-            cuda_graph_memory_mib=round(graph_bytes / 2**20, 1),
-        )
-
-    def _use_cuda_graphs(self) -> bool:
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return False
-        if self.config.resolved_kernel_backend != "triton":
-            # The torch reference ops synchronize with the host, which a capture forbids.
-            log.warning("cuda_graphs_disabled", reason="kernel_backend torch")
-            return False
-        return True
-
-    def _warmup_run(self, prompts: Iterator[int], lengths: list[int]) -> None:
-        """Run warmup requests of the given prompt lengths to completion; each request after the
-        first is added once the one before it decodes, so its prefill shares a decode step."""
-        vocab = self.model_config.vocab_size
-        for i, length in enumerate(lengths):
-            first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
-            sampled = i > 0
-            request = GenerateRequest(
-                request_id=f"kvgate-warmup-{first}",
-                prompt_ids=[(first + j) % vocab for j in range(length)],
-                sampling=SamplingParams(
-                    max_tokens=_WARMUP_DECODES, temperature=0.8 if sampled else 0.0, top_p=0.9, top_k=40,
-                    min_p=0.01, presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
-                    seed=0 if sampled else None, logprobs=2 if sampled else None, ignore_eos=True,
-                ),
-                salt=WARMUP_SALT,
-            )
-            self.add_request(request)
-            seq = self.requests[request.request_id][0]
-            while not seq.output_ids:
-                self.step()
-        while self.has_work():
-            self.step()

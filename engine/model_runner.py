@@ -11,16 +11,10 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
-from engine.protocol import SamplingParams, TokenLogprob
+from engine.protocol import SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
-from engine.scheduler import ScheduledSeq
-
-
-class SampledToken(NamedTuple):
-    seq: Sequence
-    token_id: int
-    logprob: TokenLogprob | None
+from engine.scheduler import SampledToken, ScheduledSeq
 
 
 class MemoryProfile(NamedTuple):
@@ -61,6 +55,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         # Graph replays use block tables of this full width, so one graph serves any context length.
         self.max_blocks_per_seq = _ceil_div(max_model_len, block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

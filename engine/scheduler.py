@@ -8,14 +8,21 @@ tokens: on the CPU a prompt that shares a step with another is no cheaper per to
 packing two long prompts only delays the first one's first token. When the pool runs dry the
 latest running sequence is preempted by recompute; the oldest always progresses, so there is no
 deadlock.
+
+The scheduler also records what each step did (:meth:`Scheduler.update`: computed tokens, cached
+blocks, sampled tokens, finishes). It is the one writer of queue state: a request's sequences enter
+through :meth:`Scheduler.add_request` and leave through :meth:`Scheduler.finish`, aborts included.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from engine.kv_cache import KVCacheManager
+from engine.protocol import TokenLogprob
 from engine.request import Sequence, Status
 
 
@@ -26,29 +33,46 @@ class ScheduledSeq(NamedTuple):
 
 class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+
+class SampledToken(NamedTuple):
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None
 
 
 class Scheduler:
-    """Not thread-safe: the engine loop alone calls it."""
+    """Not thread-safe: the engine loop alone calls it. ``eos_token_ids`` and ``max_model_len``
+    are the finish rules :meth:`update` applies besides each request's own."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_pack_tokens: int | None = None):
+                 prefill_pack_tokens: int | None = None, *, eos_token_ids: Iterable[int] = (),
+                 max_model_len: int = sys.maxsize):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens  # None: no limit but the budget
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, list[Sequence]] = {}  # n > 1: siblings admitted once sequence 0 has prefilled
         self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(map(len, self.held.values()))
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's first sequence and hold the others until its prompt is computed, so
+        that they start from its cached prefix rather than compute the same prompt again."""
+        self.add(seqs[0])
+        if len(seqs) > 1:
+            self.held[seqs[0].request_id] = seqs[1:]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -56,25 +80,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-
+        num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.kv.allocate(seq, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
+            if not self._reserve(seq, num_new):
+                break
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
 
+        preempted = self.num_preemptions > num_preemptions
         prompt_tokens = sum(n for _, n in scheduled if n > 1)  # decodes schedule one token each
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and prompt_tokens < self.prefill_pack_tokens):
@@ -91,19 +108,68 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             prompt_tokens += num_new
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled)
+
+    def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledToken]) -> list[Sequence]:
+        """Record a step's result: advance each scheduled sequence's computed tokens and cache its
+        full blocks, release held siblings, append the sampled tokens and finish the sequences that
+        met a finish rule (their blocks are freed). Returns the sequences that got a token, in
+        ``sampled`` order; the finished ones have ``finish_reason`` set."""
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(seq)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                for sibling in self.held.pop(seq.request_id, ()):
+                    self.add(sibling)
+        for seq, token_id, logprob in sampled:
+            seq.append_token(token_id)
+            if logprob is not None:
+                seq.pending_logprobs.append(logprob)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+        return [s.seq for s in sampled]
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take ``seq`` out of the queues and free its blocks (idempotent)."""
+        """Take ``seq`` out of the queues (or the held siblings) and free its blocks (idempotent)."""
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self._release_held(seq)
         self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.sampling
+        num_out = len(seq.output_ids)
+        if num_out >= p.min_tokens and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Allocate running ``seq``'s next tokens, preempting the latest running sequences until
+        they fit; False if ``seq`` itself had to go."""
+        while self.kv.allocate(seq, num_new_tokens) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _release_held(self, seq: Sequence) -> None:
+        siblings = self.held[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self.held[seq.request_id]
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

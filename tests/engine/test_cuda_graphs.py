@@ -8,6 +8,7 @@ from engine.__main__ import build_parser, engine_config
 from engine.attention import FUSED_DECODE_MAX_CONTEXT
 from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig
 from engine.core import EngineCore
+from engine.warmup import warmup
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.protocol import GenerateRequest, SamplingParams
 
@@ -15,7 +16,7 @@ from engine.protocol import GenerateRequest, SamplingParams
 def tiny_core(tiny, **overrides):
     model, config = tiny
     settings = {"max_num_batched_tokens": 32, "num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 6, **overrides}
-    return EngineCore(EngineConfig(model="tiny", **settings), model, config)
+    return EngineCore.from_model(EngineConfig(model="tiny", **settings), model, config)
 
 
 def padded_graphs(core: EngineCore) -> DecodeGraphs:
@@ -140,7 +141,7 @@ def test_engine_tokens_with_padded_decode_graphs(tiny):
 
 def test_warmup_leaves_no_work_and_no_counts(tiny):
     core = tiny_core(tiny, num_kv_blocks=40)
-    core.warmup()
+    warmup(core)
     assert not core.has_work() and core.check_integrity().used == 0
     assert core.counters.steps == 0 and not core.requests
 

@@ -47,7 +47,7 @@ def real_engine_factory(smollm2):
 
     def make(**overrides):
         settings = {"max_num_batched_tokens": CHUNK, "num_kv_blocks": 512, **overrides}
-        return EngineCore(EngineConfig(model="smollm2", **settings), model, config)
+        return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
 
     return make
 
@@ -108,7 +108,7 @@ def test_repeated_prompts_hit_the_cache_with_identical_outputs(real_engine_facto
 def tiny_core(tiny, **overrides):
     model, config = tiny
     settings = {"max_num_batched_tokens": 32, "num_kv_blocks": 64, **overrides}
-    return EngineCore(EngineConfig(model="tiny", **settings), model, config)
+    return EngineCore.from_model(EngineConfig(model="tiny", **settings), model, config)
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(tiny):

@@ -10,10 +10,11 @@ import pytest
 import torch
 from paged import peaky_tiny
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore
-from engine.model_runner import SampledToken
 from engine.protocol import GenerateRequest, SamplingParams
+from engine.scheduler import SampledToken
+from engine.warmup import warmup
 
 # SmolLM2's ChatML in token space: "<|im_start|>", "<|im_end|>", "\n" and the role names.
 IM_START, IM_END, NL = 1, 2, 198
@@ -148,7 +149,7 @@ def tiny_long():
 def tiny_core(tiny_long, **overrides) -> EngineCore:
     model, config = tiny_long
     settings = {"max_num_batched_tokens": 512, **overrides}
-    return EngineCore(EngineConfig(model="tiny", **settings), model, config)
+    return EngineCore.from_model(EngineConfig(model="tiny", **settings), model, config)
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
@@ -177,10 +178,10 @@ def test_resumed_chats_match_cold_prefill_on_cuda(block_size):
     def core(**overrides) -> EngineCore:
         settings = {"device": "cuda", "dtype": "float32", "block_size": block_size, "max_num_seqs": 16,
                     "max_num_batched_tokens": 512, "num_kv_blocks": 2**17 // block_size}
-        return EngineCore(EngineConfig(model="tiny", **settings, **overrides), model, config)
+        return EngineCore.from_model(EngineConfig(model="tiny", **settings, **overrides), model, config)
 
     resumed = core()
-    resumed.warmup()
+    warmup(resumed)
     assert resumed.runner.decode_graphs is not None
     run_rounds(resumed, chats, rng, num_turns=4, user_len=(20, 200), max_tokens=(8, 40))
     check_cached_tokens(chats)
@@ -216,7 +217,7 @@ def test_resumed_chats_match_cold_prefill_on_smollm2(smollm2, block_size):
 
     def core(**overrides) -> EngineCore:
         settings = {"block_size": block_size, "max_num_batched_tokens": 256, "num_kv_blocks": 4096 // block_size}
-        return EngineCore(EngineConfig(model="smollm2", **settings, **overrides), model, config)
+        return EngineCore.from_model(EngineConfig(model="smollm2", **settings, **overrides), model, config)
 
     resumed = core()
     run_rounds(resumed, chats, rng, num_turns=3, user_len=(10, 40), max_tokens=(6,))
@@ -230,12 +231,17 @@ def test_resumed_chats_match_cold_prefill_on_smollm2(smollm2, block_size):
 class ContentRunner:
     """Stands in for the ModelRunner: each KV slot holds the identity of the token prefix (and
     salt) whose KV it would hold, so reading a stale page, a wrong copy or another tenant's page
-    fails at once. The sampled token is a function of the prefix."""
+    fails at once. The sampled token is a function of the prefix. No model runs."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, config: ModelConfig, block_size: int, max_model_len: int):
+        self.config = config
+        self.device, self.dtype, self.max_model_len = torch.device("cpu"), torch.float32, max_model_len
         self.block_size = block_size
-        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.slots: list[list[int | None]] = []
         self.prefix_ids: dict[tuple[str, int], list[int]] = {}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.slots = [[None] * self.block_size for _ in range(num_blocks)]
 
     def _identities(self, seq) -> list[int]:
         ids = self.prefix_ids.setdefault(seq.key, [])
@@ -265,8 +271,8 @@ class ContentRunner:
 
 def test_pages_stay_right_under_eviction_preemption_and_aborts(tiny_long):
     bs = 8
-    core = tiny_core(tiny_long, block_size=bs, num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=6)
-    core.runner = ContentRunner(96, bs)
+    settings = {"block_size": bs, "num_kv_blocks": 96, "max_num_batched_tokens": 64, "max_num_seqs": 6}
+    core = EngineCore(EngineConfig(model="tiny", **settings), ContentRunner(tiny_long[1], bs, 4096))
     rng = random.Random(7)
     chats = make_chats(rng, 10, system_len=(20, 60))
     idle = list(chats)

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.warmup import warmup
 from engine.models.hf_twin import hf_twin
 from engine.protocol import GenerateRequest, SamplingParams
 
@@ -38,7 +39,7 @@ def make_core(**settings) -> EngineCore:
         max_model_len=2048, **settings,
     )
     core = EngineCore.from_config(config)
-    core.warmup()
+    warmup(core)
     return core
 
 

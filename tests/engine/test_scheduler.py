@@ -3,7 +3,7 @@
 from engine.kv_cache import KVCacheManager
 from engine.protocol import SamplingParams
 from engine.request import Sequence, Status
-from engine.scheduler import Scheduler
+from engine.scheduler import SampledToken, Scheduler
 
 BS = 4
 
@@ -14,12 +14,10 @@ def make_seq(rid, n_prompt):
 
 
 def advance(sched: Scheduler, out, sample_token=7):
-    """What the engine does after running a step: count computed tokens, append sampled tokens."""
-    for seq, n in out.scheduled:
-        seq.num_computed_tokens += n
-        sched.kv.cache_computed_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(sample_token)
+    """Record a step whose model samples ``sample_token`` for every sequence it fully computed."""
+    sampled = [SampledToken(seq, sample_token, None) for seq, n in out.scheduled
+               if seq.num_computed_tokens + n == seq.num_tokens]
+    return sched.update(out.scheduled, sampled)
 
 
 def plan(out):
@@ -104,7 +102,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     advance(sched, out)
     out = sched.schedule()  # a needs a 3rd block: b (the latest) is preempted
     assert plan(out) == [("a", 1)]
-    assert out.preempted == [b] and b.status is Status.WAITING and b.block_ids == []
+    assert sched.num_preemptions == 1 and b.status is Status.WAITING and b.block_ids == []
     assert b.output_ids == [7, 7]  # kept; recomputed with the prompt on resumption
     kv.check_integrity([a, b])
     advance(sched, out)
@@ -149,3 +147,58 @@ def test_admission_resumes_after_an_exact_position_entry():
     assert plan(sched.schedule()) == [("b", 3)]
     assert b.num_computed_tokens == b.num_cached_tokens == 6
     kv.check_integrity([b])
+
+
+def test_update_applies_the_finish_rules_and_frees_the_finished():
+    kv = KVCacheManager(64, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, eos_token_ids=[2], max_model_len=12)
+    eos = make_seq("a", 3)
+    early_eos = Sequence("b", 0, list(range(300, 303)), SamplingParams(min_tokens=2), None, [], None)
+    stop = Sequence("c", 0, list(range(400, 403)), SamplingParams(stop_token_ids=[9]), None, [], None)
+    ignore = Sequence("d", 0, list(range(500, 503)), SamplingParams(ignore_eos=True, max_tokens=2), None, [], None)
+    window = make_seq("e", 11)  # the 12th token reaches max_model_len
+    seqs = [eos, early_eos, stop, ignore, window]
+    for seq in seqs:
+        sched.add(seq)
+    out = sched.schedule()
+    tokens = {"a": 2, "b": 2, "c": 9, "d": 2, "e": 5}
+    got = sched.update(out.scheduled, [SampledToken(s, tokens[s.request_id], None) for s, _ in out.scheduled])
+    assert got == seqs
+    assert [s.finish_reason for s in seqs] == ["stop", None, "stop", None, "length"]
+    assert [s.status for s in seqs] == [Status.FINISHED, Status.RUNNING, Status.FINISHED, Status.RUNNING,
+                                        Status.FINISHED]
+    assert sched.running == [early_eos, ignore] and kv.check_integrity(sched.running).used == 2
+    out = sched.schedule()
+    sched.update(out.scheduled, [SampledToken(s, 2, None) for s, _ in out.scheduled])
+    assert early_eos.finish_reason == "stop"  # eos counts once min_tokens are out
+    assert ignore.finish_reason == "length" and ignore.output_ids == [2, 2]  # eos ignored: max_tokens
+    assert not sched.has_work() and kv.check_integrity([]).used == 0
+
+
+def test_held_siblings_start_once_the_first_sequence_has_prefilled():
+    kv = KVCacheManager(64, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=6)
+    params = SamplingParams(n=3)
+    seqs = [Sequence("r", i, list(range(100, 109)), params, None, [], None) for i in range(3)]
+    sched.add_request(seqs)
+    assert sched.num_waiting == 3 and list(sched.waiting) == [seqs[0]]
+    advance(sched, sched.schedule())  # 6 of 9 prompt tokens: still held
+    assert sched.num_waiting == 2 and not sched.waiting
+    advance(sched, sched.schedule())
+    assert list(sched.waiting) == seqs[1:] and not sched.held
+    out = sched.schedule()
+    # the siblings resume after the two full blocks the first one cached
+    assert plan(out) == [("r", 1), ("r", 1), ("r", 1)] and [s.num_cached_tokens for s in seqs[1:]] == [8, 8]
+
+
+def test_finish_takes_a_held_sibling_out_without_touching_the_queues():
+    kv = KVCacheManager(64, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = [Sequence("r", i, list(range(100, 105)), SamplingParams(n=3), None, [], None) for i in range(3)]
+    sched.add_request(seqs)
+    sched.finish(seqs[2], "abort")
+    assert sched.held == {"r": [seqs[1]]} and seqs[2].finish_reason == "abort"
+    for seq in seqs[:2]:
+        sched.finish(seq, "abort")
+    assert not sched.held and not sched.has_work() and sched.num_waiting == 0
+    assert kv.check_integrity([]).used == 0

@@ -1,0 +1,172 @@
+"""EngineLoop: the EngineCore in a dedicated thread, fed by typed commands.
+
+HTTP handlers put commands in the inbox (thread-safe); between two steps the thread drains it, runs
+one step and hands the step's frames to the event loop with one ``call_soon_threadsafe``, so HTTP
+work never runs inside a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.metrics import Metrics
+from engine.protocol import GenerateRequest, OutputFrame, ProtocolError
+from engine.warmup import warmup
+
+log = structlog.get_logger("engine.loop")
+
+STATS_INTERVAL_S = 0.05  # /stats and /metrics read a snapshot at most this old while busy
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    request: GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run ``fn(core)`` between two steps; its result or exception goes to ``future``."""
+
+    fn: Callable[[EngineCore], Any]
+    future: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Add | Abort | Call | Stop
+
+
+class EngineLoop:
+    """Owns the EngineCore in a dedicated thread. Thread-safe entry points: submit, abort, call."""
+
+    def __init__(self, make_core: Callable[[], EngineCore], metrics: Metrics, config: EngineConfig):
+        self._make_core = make_core
+        self._config = config
+        self._publisher = None
+        self.metrics = metrics
+        self.core: EngineCore | None = None
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.snapshot: dict[str, Any] = {}
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._deliver: Callable[[list[OutputFrame]], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[OutputFrame]], None]) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(Stop())
+        self._thread.join(timeout=10)
+        if self._publisher is not None:
+            self._publisher.close()
+
+    def submit(self, request: GenerateRequest) -> None:
+        self._inbox.put(Add(request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(Abort(request_id))
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` between two steps on the engine thread and return its result."""
+        future = self._loop.create_future()
+        self._inbox.put(Call(fn, future))
+        return await future
+
+    def _run(self) -> None:
+        try:
+            core = self._start()
+        except BaseException as exc:  # noqa: BLE001 — reported through /health, then the thread ends
+            log.exception("engine_start_failed")
+            self.failed = exc
+            return
+        self._serve(core)
+
+    def _start(self) -> EngineCore:
+        t0 = time.perf_counter()
+        core = self.core = self._make_core()
+        warmup(core)
+        if self._config.index_url is not None:
+            from prefix_index.publisher import KVEventPublisher
+
+            cfg = self._config
+            self._publisher = KVEventPublisher(
+                cfg.index_url, cfg.replica_id, core.model_config.name, cfg.block_size, snapshot=core.kv_snapshot
+            )
+            self._publisher.start()
+        self.snapshot = core.stats()
+        log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot)
+        self.ready.set()
+        return core
+
+    def _serve(self, core: EngineCore) -> None:
+        stats_at = time.perf_counter()
+        while True:
+            frames: list[OutputFrame] = []
+            block = not core.has_work()
+            while True:
+                try:
+                    command = self._inbox.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if isinstance(command, Stop):
+                    return
+                frames.extend(self._handle(core, command))
+            if core.has_work():
+                frames.extend(self._step(core))
+            now = time.perf_counter()
+            if not core.has_work() or now - stats_at >= STATS_INTERVAL_S:  # fresh before idling
+                self.snapshot, stats_at = core.stats(), now
+            if frames:
+                self._loop.call_soon_threadsafe(self._deliver, frames)
+
+    def _step(self, core: EngineCore) -> list[OutputFrame]:
+        steps, busy = core.counters.steps, core.counters.busy_seconds
+        frames = core.step()
+        if core.counters.steps > steps:
+            self.metrics.step_seconds.observe(core.counters.busy_seconds - busy)
+            self.metrics.steps.inc()
+        if self._publisher is not None and (events := core.drain_kv_events()):
+            self._publisher.publish(events)
+        return frames
+
+    def _handle(self, core: EngineCore, command: Add | Abort | Call) -> list[OutputFrame]:
+        match command:
+            case Abort(request_id):
+                return core.abort(request_id)
+            case Call(fn, future):
+                try:
+                    result = fn(core)
+                except Exception as exc:  # noqa: BLE001 — handed to the awaiting coroutine
+                    self._loop.call_soon_threadsafe(future.set_exception, exc)
+                else:
+                    self._loop.call_soon_threadsafe(future.set_result, result)
+                return []
+            case Add(request):
+                try:
+                    core.add_request(request)
+                except ProtocolError as exc:  # raced with a duplicate id; admissibility was checked already
+                    return [OutputFrame(request.request_id, i, finish_reason="error", error=exc.message)
+                            for i in range(request.sampling.n)]
+                return []

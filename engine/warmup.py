@@ -1,0 +1,82 @@
+"""Warmup: every first-call cost (CUDA graph capture, kernel compiles) paid before the first request."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import structlog
+
+from engine.core import EngineCore, EngineCounters
+from engine.protocol import GenerateRequest, SamplingParams
+
+log = structlog.get_logger("engine")
+
+WARMUP_SALT = "kvgate-warmup"
+_WARMUP_DECODES = 4
+
+
+def warmup(core: EngineCore) -> None:
+    """Capture the decode CUDA graphs, then run through the whole engine a prefill of each
+    power-of-two length up to a full chunk (one short prefill on the CPU, which compiles nothing),
+    and decode steps that admit a prefill (mixed batches) at a short and a long context with a
+    sampled request (penalties, top-k/p, logprobs), so that every kernel variant is compiled and
+    loaded. Leaves the core idle with fresh counters."""
+    start = time.perf_counter()
+    graph_bytes = 0
+    buckets: list[int] = []
+    if _use_cuda_graphs(core):
+        graph_bytes = core.runner.capture_decode_graphs()
+        buckets = core.runner.decode_graphs.buckets
+    cuda = core.device.type == "cuda"
+    # Two warmup sequences run at once; each may take half of the pool.
+    limit = max(1, min(core.max_model_len, core.kv.num_blocks * core.kv.block_size // 2) - _WARMUP_DECODES)
+    chunk = min(core.config.max_num_batched_tokens, limit) if cuda else min(limit, 64)
+    prompts = itertools.count()
+    for length in [2**k for k in range(4, chunk.bit_length()) if cuda and 2**k < chunk] + [chunk]:
+        _warmup_run(core, prompts, [length])
+    _warmup_run(core, prompts, [min(8, limit), min(8, limit)])  # one block: a single split
+    _warmup_run(core, prompts, [min(300, limit), min(200, limit)])  # split-K decode
+    core.counters = EngineCounters()
+    log.info(
+        "warmup_done",
+        seconds=round(time.perf_counter() - start, 2),
+        cuda_graph_buckets=buckets,
+        cuda_graph_memory_mib=round(graph_bytes / 2**20, 1),
+    )
+
+
+def _use_cuda_graphs(core: EngineCore) -> bool:
+    if core.device.type != "cuda" or core.config.enforce_eager:
+        return False
+    if core.config.resolved_kernel_backend != "triton":
+        # The torch reference ops synchronize with the host, which a capture forbids.
+        log.warning("cuda_graphs_disabled", reason="kernel_backend torch")
+        return False
+    return True
+
+
+def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int]) -> None:
+    """Run warmup requests of the given prompt lengths to completion; each request after the
+    first is added once the one before it decodes, so its prefill shares a decode step."""
+    vocab = core.model_config.vocab_size
+    for i, length in enumerate(lengths):
+        first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
+        sampled = i > 0
+        request = GenerateRequest(
+            request_id=f"kvgate-warmup-{first}",
+            prompt_ids=[(first + j) % vocab for j in range(length)],
+            sampling=SamplingParams(
+                max_tokens=_WARMUP_DECODES, temperature=0.8 if sampled else 0.0, top_p=0.9, top_k=40,
+                min_p=0.01, presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
+                seed=0 if sampled else None, logprobs=2 if sampled else None, ignore_eos=True,
+            ),
+            salt=WARMUP_SALT,
+        )
+        core.add_request(request)
+        seq = core.requests[request.request_id][0]
+        while not seq.output_ids:
+            core.step()
+    while core.has_work():
+        core.step()
