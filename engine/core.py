@@ -65,7 +65,7 @@ class EngineCore:
         runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
-            max_partial_entries=int(num_blocks * config.max_partial_entries_fraction),
+            max_entries=int(num_blocks * config.max_partial_entries_fraction),
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
@@ -264,7 +264,7 @@ class EngineCore:
             "kv_usage": round(kv.usage, 4),
             "prefix_hit_rate": round(kv.prefix_hit_rate, 4),
             "cache_alignment": 1,  # cache boundaries may fall on any token: no rounding needed
-            "num_partial_entries": len(kv.partial),
+            "num_partial_entries": len(kv.entries),
             "num_preemptions": self.scheduler.num_preemptions,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "prefill_pack_tokens": self.scheduler.prefill_pack_tokens,

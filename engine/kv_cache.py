@@ -1,8 +1,8 @@
 """Paged KV block pool with prefix caching and exact-position entries.
 
 Every block is in exactly one state: *used* (ref count > 0), *cached* (ref count 0, holds the hash
-of a full block: reusable until evicted), *partial* (ref count 0, an exact-position entry: a
-cache-owned copy of a partially filled page) or *free* (ref count 0, holds nothing). Cached, partial
+of a full block: reusable until evicted), *entry* (ref count 0, an exact-position entry: a
+cache-owned copy of a partially filled page) or *free* (ref count 0, holds nothing). Cached, entry
 and free blocks sit together in one LRU queue; allocation takes from its head and drops what the
 block held. A finished sequence returns its blocks tail first, so a prefix outlives its suffixes.
 
@@ -34,7 +34,7 @@ before the next forward reads or writes the pool.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from engine.request import Sequence
@@ -46,12 +46,12 @@ class BlockCounts(NamedTuple):
     free: int
     cached: int
     used: int
-    partial: int
+    entries: int
 
 
-class PartialEntry(NamedTuple):
-    """A cache-owned page holding the KV of ``tail``, the first tokens of the page after the full
-    block hashed into ``key`` (see :func:`partial_key`)."""
+class PositionEntry(NamedTuple):
+    """An exact-position entry: a cache-owned page holding the KV of ``tail``, the first tokens of
+    the page after the full block hashed into ``key`` (see :func:`entry_key`)."""
 
     key: BlockHash
     tail: tuple[int, ...]  # 1 … block_size - 1 tokens
@@ -63,7 +63,7 @@ class PrefixMatch(NamedTuple):
     whose page serves the next ``num_tokens - len(blocks) * block_size`` tokens."""
 
     blocks: list[int]
-    entry: PartialEntry | None
+    entry: PositionEntry | None
     num_tokens: int  # prompt tokens served from cache
 
 
@@ -71,7 +71,7 @@ class IntegrityError(AssertionError):
     pass
 
 
-def partial_key(parent: BlockHash | None, salt: str | None) -> BlockHash:
+def entry_key(parent: BlockHash | None, salt: str | None) -> BlockHash:
     """Key of the entries that continue the full block hashed ``parent`` (None: the first page of a
     sequence, which takes the salt, as the first block's hash does)."""
     return hash_block(parent, (), salt, extra_keys=("partial",))
@@ -86,6 +86,65 @@ def _common_prefix_len(a: tuple[int, ...], b: list[int]) -> int:
     return n
 
 
+class PositionEntries:
+    """The exact-position entries of one pool, by block id in LRU order and by key then tail, with
+    their cap. Holds no blocks: the manager moves the entries' blocks in its free queue."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.by_block: OrderedDict[int, PositionEntry] = OrderedDict()  # LRU first
+        self._by_key: dict[BlockHash, dict[tuple[int, ...], int]] = {}  # key -> tail -> block
+
+    def __len__(self) -> int:
+        return len(self.by_block)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.by_block)
+
+    def __getitem__(self, block_id: int) -> PositionEntry:
+        return self.by_block[block_id]
+
+    def get(self, block_id: int) -> PositionEntry | None:
+        return self.by_block.get(block_id)
+
+    def tails(self, key: BlockHash) -> dict[tuple[int, ...], int]:
+        """Tail -> block of the entries under ``key`` (read only)."""
+        return self._by_key.get(key, {})
+
+    @property
+    def full(self) -> bool:
+        return len(self.by_block) >= self.cap
+
+    def oldest(self) -> PositionEntry:
+        return next(iter(self.by_block.values()))
+
+    def add(self, entry: PositionEntry) -> None:
+        self._by_key.setdefault(entry.key, {})[entry.tail] = entry.block_id
+        self.by_block[entry.block_id] = entry
+
+    def touch(self, block_id: int) -> None:
+        self.by_block.move_to_end(block_id)
+
+    def drop(self, entry: PositionEntry) -> None:
+        del self.by_block[entry.block_id]
+        tails = self._by_key[entry.key]
+        del tails[entry.tail]
+        if not tails:
+            del self._by_key[entry.key]
+
+    def check(self, block_size: int) -> None:
+        """Raise IntegrityError unless both maps agree, every tail is shorter than a page and the
+        cap holds."""
+        indexed = {(key, tail, b) for key, tails in self._by_key.items() for tail, b in tails.items()}
+        if indexed != set(self.by_block.values()) or any(b != e.block_id for b, e in self.by_block.items()):
+            raise IntegrityError("the entry index differs from the entry list")
+        for entry in self.by_block.values():
+            if not 0 < len(entry.tail) < block_size:
+                raise IntegrityError(f"entry block {entry.block_id} has a tail of {len(entry.tail)} tokens")
+        if len(self.by_block) > self.cap:
+            raise IntegrityError(f"{len(self.by_block)} entries exceed the cap of {self.cap}")
+
+
 class KVCacheManager:
     """Owns block ids, never the KV tensors. Not thread-safe: the engine loop alone calls it."""
 
@@ -95,26 +154,24 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         record_events: bool = False,
-        max_partial_entries: int | None = None,
+        max_entries: int | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
-        if max_partial_entries is None:
-            max_partial_entries = num_blocks // 4
-        if not 0 <= max_partial_entries <= num_blocks:
-            raise ValueError(f"max_partial_entries must be in [0, {num_blocks}], got {max_partial_entries}")
+        if max_entries is None:
+            max_entries = num_blocks // 4
+        if not 0 <= max_entries <= num_blocks:
+            raise ValueError(f"max_entries must be in [0, {num_blocks}], got {max_entries}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.record_events = record_events  # only when a publisher drains them
-        self.max_partial_entries = max_partial_entries if enable_prefix_caching else 0
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.parent_of: dict[BlockHash, BlockHash | None] = {}  # of every cached hash (index resyncs)
-        self.partial: OrderedDict[int, PartialEntry] = OrderedDict()  # block id -> entry, LRU first
-        self._partial_by_key: dict[BlockHash, dict[tuple[int, ...], int]] = {}  # key -> tail -> block
+        self.entries = PositionEntries(max_entries if enable_prefix_caching else 0)
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages, in the order planned
         self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
@@ -126,7 +183,7 @@ class KVCacheManager:
     # --- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take (free plus evictable cached and partial)."""
+        """Blocks an allocation may take (free plus evictable cached and entry blocks)."""
         return len(self.free_queue)
 
     @property
@@ -157,7 +214,7 @@ class KVCacheManager:
                 break
             hit.append(block_id)
         num_tokens = len(hit) * self.block_size
-        tails = self._partial_by_key.get(self._partial_key(seq, len(hit)))
+        tails = self.entries.tails(self._entry_key(seq, len(hit)))
         if not tails:
             return PrefixMatch(hit, None, num_tokens)
         rest = seq.all_token_ids[num_tokens : min(num_tokens + self.block_size, seq.num_tokens) - 1]
@@ -168,7 +225,7 @@ class KVCacheManager:
                 best, num_shared = block_id, n
         if best is None:
             return PrefixMatch(hit, None, num_tokens)
-        return PrefixMatch(hit, self.partial[best], num_tokens + num_shared)
+        return PrefixMatch(hit, self.entries[best], num_tokens + num_shared)
 
     # --- commands ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> list[int] | None:
@@ -203,7 +260,7 @@ class KVCacheManager:
                 page = self._take_free_block()
                 self._copies.append((entry.block_id, page))
             else:
-                self._drop_entry(entry)
+                self.entries.drop(entry)
                 del self.free_queue[entry.block_id]
                 self.ref_cnt[entry.block_id] = 1
                 page = entry.block_id
@@ -293,9 +350,9 @@ class KVCacheManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
-        entry = self.partial.get(block_id)
+        entry = self.entries.get(block_id)
         if entry is not None:
-            self._drop_entry(entry)
+            self.entries.drop(entry)
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self.cached[block_hash]
@@ -307,9 +364,9 @@ class KVCacheManager:
         return block_id
 
     # --- exact-position entries --------------------------------------------------------------
-    def _partial_key(self, seq: Sequence, page: int) -> BlockHash:
+    def _entry_key(self, seq: Sequence, page: int) -> BlockHash:
         hashes = seq.update_block_hashes(self.block_size)
-        return partial_key(hashes[page - 1] if page else None, seq.salt)
+        return entry_key(hashes[page - 1] if page else None, seq.salt)
 
     def _cache_boundaries(self, seq: Sequence) -> None:
         bounds = seq.cache_boundaries
@@ -319,7 +376,7 @@ class KVCacheManager:
         while seen < len(bounds) and bounds[seen] <= seq.num_computed_tokens:
             end = bounds[seen]
             seen += 1
-            if end % self.block_size == 0 or not self.max_partial_entries:
+            if end % self.block_size == 0 or not self.entries.cap:
                 continue  # a full block: the cached blocks already end there
             found = self._new_tail(seq, end)
             if found is None:
@@ -329,31 +386,31 @@ class KVCacheManager:
             if block_id is None:
                 continue  # every block is in use: no entry
             self._copies.append((seq.block_ids[end // self.block_size], block_id))
-            self._add_entry(PartialEntry(*found, block_id))
+            self._add_entry(PositionEntry(*found, block_id))
         self._boundaries_seen[seq.key] = seen
 
     def _keep_last_page(self, seq: Sequence) -> int | None:
         """Hand ``seq``'s partially computed last page over to a new entry; returns its block."""
         end = seq.num_computed_tokens
-        if not self.max_partial_entries or end % self.block_size == 0:
+        if not self.entries.cap or end % self.block_size == 0:
             return None
         found = self._new_tail(seq, end)
         if found is None:
             return None
         self._release_extended(*found)
-        if len(self.partial) >= self.max_partial_entries:
-            self._release_entry(next(iter(self.partial.values())))
+        if self.entries.full:
+            self._release_entry(self.entries.oldest())
         block_id = seq.block_ids[end // self.block_size]
-        self._add_entry(PartialEntry(*found, block_id))
+        self._add_entry(PositionEntry(*found, block_id))
         return block_id
 
     def _new_tail(self, seq: Sequence, end: int) -> tuple[BlockHash, tuple[int, ...]] | None:
         """Key and tail of an entry ending at token ``end`` of ``seq``, or None (touching it) if
         an entry whose tail starts with that tail exists."""
         page = end // self.block_size
-        key = self._partial_key(seq, page)
+        key = self._entry_key(seq, page)
         tail = tuple(seq.all_token_ids[page * self.block_size : end])
-        for other, block_id in self._partial_by_key.get(key, {}).items():
+        for other, block_id in self.entries.tails(key).items():
             if other[: len(tail)] == tail:
                 self._touch_entry(block_id)
                 return None
@@ -362,9 +419,9 @@ class KVCacheManager:
     def _entry_block(self) -> int | None:
         """A block for a new entry: the least recently used entry's at the cap, else the free
         queue's head; None when every block is in use."""
-        if len(self.partial) >= self.max_partial_entries:
-            entry = next(iter(self.partial.values()))
-            self._drop_entry(entry)
+        if self.entries.full:
+            entry = self.entries.oldest()
+            self.entries.drop(entry)
             return entry.block_id
         if not self.free_queue:
             return None
@@ -372,37 +429,29 @@ class KVCacheManager:
 
     def _release_extended(self, key: BlockHash, tail: tuple[int, ...]) -> None:
         """Release the entries under ``key`` whose tails ``tail`` extends: it serves all they would."""
-        tails = self._partial_by_key.get(key, {})
+        tails = self.entries.tails(key)
         for block_id in [b for t, b in tails.items() if tail[: len(t)] == t]:
-            self._release_entry(self.partial[block_id])
+            self._release_entry(self.entries[block_id])
 
-    def _add_entry(self, entry: PartialEntry) -> None:
+    def _add_entry(self, entry: PositionEntry) -> None:
         """Register ``entry`` as the most recently used block of the free queue."""
-        self._partial_by_key.setdefault(entry.key, {})[entry.tail] = entry.block_id
-        self.partial[entry.block_id] = entry
+        self.entries.add(entry)
         self.ref_cnt[entry.block_id] = 0
         self.free_queue[entry.block_id] = None
         self.free_queue.move_to_end(entry.block_id)
 
     def _touch_entry(self, block_id: int) -> None:
-        self.partial.move_to_end(block_id)
+        self.entries.touch(block_id)
         self.free_queue.move_to_end(block_id)
 
-    def _drop_entry(self, entry: PartialEntry) -> None:
-        del self.partial[entry.block_id]
-        tails = self._partial_by_key[entry.key]
-        del tails[entry.tail]
-        if not tails:
-            del self._partial_by_key[entry.key]
-
-    def _release_entry(self, entry: PartialEntry) -> None:
+    def _release_entry(self, entry: PositionEntry) -> None:
         """Forget ``entry``; its block, now holding nothing, is the next one allocated."""
-        self._drop_entry(entry)
+        self.entries.drop(entry)
         self.free_queue.move_to_end(entry.block_id, last=False)
 
     # --- proof ---------------------------------------------------------------------------
     def check_integrity(self, live: Iterable[Sequence]) -> BlockCounts:
-        """Prove free + cached + used + partial == pool, that ref counts match the live sequences
+        """Prove free + cached + used + entry blocks == pool, that ref counts match the live sequences
         and that the entry maps agree."""
         expected = [0] * self.num_blocks
         for seq in live:
@@ -419,20 +468,14 @@ class KVCacheManager:
                 raise IntegrityError(f"cached entry for block {block_id} has a stale hash")
         if sum(h is not None for h in self.block_hash) != len(self.cached):
             raise IntegrityError("a block holds a hash that the cache map lacks")
-        indexed = {(key, tail, b) for key, tails in self._partial_by_key.items() for tail, b in tails.items()}
-        if indexed != set(self.partial.values()) or any(b != e.block_id for b, e in self.partial.items()):
-            raise IntegrityError("the entry index differs from the entry list")
-        for entry in self.partial.values():
-            if entry.block_id not in unreferenced or self.block_hash[entry.block_id] is not None:
-                raise IntegrityError(f"entry block {entry.block_id} is referenced or hashed")
-            if not 0 < len(entry.tail) < self.block_size:
-                raise IntegrityError(f"entry block {entry.block_id} has a tail of {len(entry.tail)} tokens")
-        if len(self.partial) > self.max_partial_entries:
-            raise IntegrityError(f"{len(self.partial)} entries exceed the cap of {self.max_partial_entries}")
+        self.entries.check(self.block_size)
+        for block_id in self.entries:
+            if block_id not in unreferenced or self.block_hash[block_id] is not None:
+                raise IntegrityError(f"entry block {block_id} is referenced or hashed")
         cached = sum(1 for i in unreferenced if self.block_hash[i] is not None)
-        partial = len(self.partial)
+        entries = len(self.entries)
         counts = BlockCounts(
-            len(unreferenced) - cached - partial, cached, self.num_blocks - len(unreferenced), partial
+            len(unreferenced) - cached - entries, cached, self.num_blocks - len(unreferenced), entries
         )
         assert sum(counts) == self.num_blocks
         return counts

@@ -3,8 +3,8 @@
 The engine emits, once per step, the blocks it made reusable (:class:`BlockStored`), the blocks it
 evicted (:class:`BlockRemoved`) and a full reset (:class:`AllCleared`). A :class:`KVEventBatch`
 carries them with the engine's replica id and its epoch, a number fixed per engine start: the index
-drops a replica's old entries when it sees a new epoch. Everything here is plain data that
-round-trips through msgpack (``to_wire``/``from_wire``) and imports nothing beyond msgpack, so the
+drops a replica's old entries when it sees a new epoch. Batches stay in the engine's process (the
+publisher applies them to the index); everything here is plain data that imports nothing, so the
 engine core may use it.
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 from prefix_index.hashing import HASH_BYTES, BlockHash
 
@@ -51,51 +49,6 @@ class KVEventBatch:
     replica_id: str
     epoch: int
     events: Sequence[KVEvent] = field(default_factory=list)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "replica_id": self.replica_id,
-            "epoch": self.epoch,
-            "events": [_event_to_wire(e) for e in self.events],
-        }
-
-    def pack(self) -> bytes:
-        return msgpack.packb(self.to_wire())
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> KVEventBatch:
-        """Decode and validate; raises ValueError naming the bad field."""
-        if not isinstance(wire, dict) or not isinstance(wire.get("events"), list):
-            raise ValueError("a KV event batch must be a map with an events list")
-        events = [_event_from_wire(e, i) for i, e in enumerate(wire["events"])]
-        batch = cls(wire.get("replica_id"), wire.get("epoch"), events)
-        check_batch(batch)
-        return batch
-
-    @classmethod
-    def unpack(cls, data: bytes) -> KVEventBatch:
-        return cls.from_wire(msgpack.unpackb(data))
-
-
-def _event_to_wire(event: KVEvent) -> list[Any]:
-    if isinstance(event, BlockStored):
-        return ["stored", list(event.block_hashes), event.parent_hash]
-    if isinstance(event, BlockRemoved):
-        return ["removed", list(event.block_hashes)]
-    if isinstance(event, AllCleared):
-        return ["cleared"]
-    raise TypeError(f"not a KV event: {type(event).__name__}")
-
-
-def _event_from_wire(wire: Any, i: int) -> KVEvent:
-    kind = wire[0] if isinstance(wire, list) and wire else None
-    if kind == "cleared" and len(wire) == 1:
-        return AllCleared()
-    if kind == "removed" and len(wire) == 2:
-        return BlockRemoved(wire[1])
-    if kind == "stored" and len(wire) == 3:
-        return BlockStored(wire[1], wire[2])
-    raise ValueError(f"events[{i}] is not a KV event: {wire!r:.80}")
 
 
 def check_batch(batch: KVEventBatch) -> None:

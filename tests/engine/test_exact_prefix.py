@@ -303,6 +303,6 @@ def test_pages_stay_right_under_eviction_preemption_and_aborts(tiny_long):
                 partial_hits += frame.num_cached_tokens % bs != 0
                 idle.append(running.pop(frame.request_id))
         core.check_integrity()
-        most_entries = max(most_entries, len(core.kv.partial))
+        most_entries = max(most_entries, len(core.kv.entries))
     assert partial_hits > 10 and aborts > 0 and core.scheduler.num_preemptions > 0
-    assert most_entries == core.kv.max_partial_entries  # the cap was reached and held
+    assert most_entries == core.kv.entries.cap  # the cap was reached and held

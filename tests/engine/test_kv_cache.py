@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.kv_cache import BlockCounts, IntegrityError, KVCacheManager, PartialEntry, PrefixMatch, partial_key
+from engine.kv_cache import BlockCounts, IntegrityError, KVCacheManager, PositionEntry, PrefixMatch, entry_key
 from engine.protocol import SamplingParams
 from engine.request import Sequence
 from prefix_index.events import BlockRemoved, BlockStored
@@ -33,7 +33,7 @@ def test_allocate_takes_blocks_in_order_and_free_returns_tail_first():
     assert kv.allocate(b, 5) == [3, 4]
     kv.free(a)
     assert list(kv.free_queue) == [5, 6, 7, 2, 1, 0]
-    assert kv.check_integrity([b]) == BlockCounts(free=6, cached=0, used=2, partial=0)
+    assert kv.check_integrity([b]) == BlockCounts(free=6, cached=0, used=2, entries=0)
 
 
 def test_allocate_returns_none_and_changes_nothing_when_pool_is_short():
@@ -114,8 +114,8 @@ def test_shared_prefix_blocks_are_reference_counted():
     kv.free(a)
     assert kv.ref_cnt[0] == 1 and 0 not in kv.free_queue
     # a's last page (3 of its 4 slots computed) became an exact-position entry
-    assert kv.partial[2].tail == (20, 21, 22)
-    assert kv.check_integrity([b]) == BlockCounts(free=6, cached=0, used=3, partial=1)
+    assert kv.entries[2].tail == (20, 21, 22)
+    assert kv.check_integrity([b]) == BlockCounts(free=6, cached=0, used=3, entries=1)
 
 
 def test_salt_isolates_caches():
@@ -153,8 +153,8 @@ def test_duplicate_blocks_computed_concurrently_keep_one_entry():
     assert len(kv.cached) == 2 and set(kv.cached.values()) == {0, 1}
     kv.free(a)
     kv.free(b)  # its last page equals a's, which is already an entry: not kept twice
-    assert list(kv.partial) == [2]
-    assert kv.check_integrity([]) == BlockCounts(free=7, cached=2, used=0, partial=1)
+    assert list(kv.entries) == [2]
+    assert kv.check_integrity([]) == BlockCounts(free=7, cached=2, used=0, entries=1)
 
 
 def test_integrity_check_catches_leaks():
@@ -182,28 +182,28 @@ def test_boundary_inside_a_page_is_copied_and_resumed_on_a_private_page():
     assert a.block_ids == [0, 1, 2]
     assert kv.take_block_copies() == [(1, 3)]  # page 1 into the free queue's head, after the step
     assert kv.take_block_copies() == []
-    key = partial_key(block_hashes(system, BS)[0], None)
-    assert kv.partial == {3: PartialEntry(key, (14, 15), 3)}
+    key = entry_key(block_hashes(system, BS)[0], None)
+    assert kv.entries.by_block == {3: PositionEntry(key, (14, 15), 3)}
     assert list(kv.free_queue)[-1] == 3  # the most recently used block
 
     b = make_seq(system + [30, 31, 32, 33], "b")
     prefix = kv.match_prefix(b)
-    assert prefix == PrefixMatch([0], kv.partial[3], 6)
+    assert prefix == PrefixMatch([0], kv.entries[3], 6)
     assert kv.allocate(b, 4, prefix) == [4, 5]
     assert kv.take_block_copies() == [(3, 4)]  # b's own copy of the entry's page
     assert b.block_ids == [0, 4, 5] and b.num_computed_tokens == 6
 
     kv.free(a)
     # a's last page (token 22) becomes an entry ahead of a's other blocks; block 0 is still b's
-    assert kv.partial[2].tail == (22,)
+    assert kv.entries[2].tail == (22,)
     assert list(kv.free_queue) == [*range(6, 16), 3, 2, 1]
-    assert kv.check_integrity([b]) == BlockCounts(free=10, cached=1, used=3, partial=2)
+    assert kv.check_integrity([b]) == BlockCounts(free=10, cached=1, used=3, entries=2)
 
 
 def test_a_hit_leaves_a_token_to_compute_and_may_use_part_of_a_tail():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     run_prefill(kv, make_seq([10, 11, 12, 13, 14, 15, 16, 17, 40], "a", boundaries=[7]))
-    assert [e.tail for e in kv.partial.values()] == [(14, 15, 16)]
+    assert [e.tail for e in kv.entries.by_block.values()] == [(14, 15, 16)]
     whole = make_seq([10, 11, 12, 13, 14, 15, 16], "whole")  # the prompt is the boundary itself
     assert kv.match_prefix(whole).num_tokens == 6
     diverging = make_seq([10, 11, 12, 13, 14, 15, 99, 98], "div")  # KV of 14, 15 is still right
@@ -216,7 +216,7 @@ def test_entries_are_keyed_by_salt():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     tokens = [10, 11, 12, 13, 14, 15, 16]
     run_prefill(kv, make_seq(tokens + [50, 51], "a", salt="t1", boundaries=[2, 6]))
-    assert sorted(e.tail for e in kv.partial.values()) == [(10, 11), (14, 15)]
+    assert sorted(e.tail for e in kv.entries.by_block.values()) == [(10, 11), (14, 15)]
     for salt in ("t2", None):  # the same tokens under another salt miss, on the first page too
         assert kv.match_prefix(make_seq(tokens, "b", salt=salt)) == PrefixMatch([], None, 0)
         assert kv.match_prefix(make_seq([10, 11, 99], "c", salt=salt)) == PrefixMatch([], None, 0)
@@ -236,11 +236,11 @@ def test_an_answer_sent_back_resumes_after_its_last_computed_token():
     assert seq.num_computed_tokens == 9 and seq.block_ids == [0, 1, 2]
     kv.free(seq)
     assert kv.take_block_copies() == []  # the last page is handed over, not copied
-    assert kv.partial[2].tail == (63,)
+    assert kv.entries[2].tail == (63,)
     # the client sends the answer back, then <|im_end|>, "\n" and a new message
     turn2 = make_seq(prompt + [60, 61, 62, 63, 2, 198, 1, 70, 71], "turn2")
     # block 1 holds output tokens (14, 60, 61, 62): full output blocks are cached too
-    assert kv.match_prefix(turn2) == PrefixMatch([0, 1], kv.partial[2], 9)
+    assert kv.match_prefix(turn2) == PrefixMatch([0, 1], kv.entries[2], 9)
 
 
 def test_entries_are_evicted_before_the_blocks_they_extend():
@@ -249,17 +249,17 @@ def test_entries_are_evicted_before_the_blocks_they_extend():
     run_prefill(kv, a)
     assert a.block_ids == [0, 1, 2] and kv.take_block_copies() == [(1, 3)]
     kv.free(a)
-    assert list(kv.partial) == [3, 2]
+    assert list(kv.entries) == [3, 2]
     assert list(kv.free_queue) == [4, 5, 6, 7, 3, 2, 1, 0]
     b = make_seq(range(100, 124), "b")
     assert kv.allocate(b, 24) == [4, 5, 6, 7, 3, 2]  # the free blocks, then both entries
-    assert kv.partial == {}
+    assert kv.entries.by_block == {}
     assert kv.match_prefix(make_seq(range(10, 20), "again")) == PrefixMatch([0, 1], None, 8)
-    assert kv.check_integrity([b]) == BlockCounts(free=0, cached=2, used=6, partial=0)
+    assert kv.check_integrity([b]) == BlockCounts(free=0, cached=2, used=6, entries=0)
 
 
 def test_the_cap_releases_the_least_recently_used_entry():
-    kv = KVCacheManager(num_blocks=16, block_size=BS, max_partial_entries=2)
+    kv = KVCacheManager(num_blocks=16, block_size=BS, max_entries=2)
     a = make_seq(range(10, 16), "a", boundaries=[2])
     run_prefill(kv, a)
     b = make_seq(range(20, 26), "b", boundaries=[2])
@@ -272,10 +272,10 @@ def test_the_cap_releases_the_least_recently_used_entry():
     run_prefill(kv, c)
     assert c.block_ids == [7, 8]
     assert kv.take_block_copies() == [(7, 5)]  # b's entry gives its block to c's
-    assert [(b, e.tail) for b, e in kv.partial.items()] == [(2, (10, 11)), (5, (30, 31))]
+    assert [(b, e.tail) for b, e in kv.entries.by_block.items()] == [(2, (10, 11)), (5, (30, 31))]
     assert kv.match_prefix(make_seq([20, 21, 99], "e")).entry is None
     kv.free(c)  # its last page (34, 35) makes room by releasing a's entry, whose block goes next
-    assert [(b, e.tail) for b, e in kv.partial.items()] == [(5, (30, 31)), (8, (34, 35))]
+    assert [(b, e.tail) for b, e in kv.entries.by_block.items()] == [(5, (30, 31)), (8, (34, 35))]
     f = make_seq([1, 2, 3], "f")
     assert kv.allocate(f, 3) == [2]
     kv.check_integrity([a, b, d, f])
@@ -285,7 +285,7 @@ def test_a_longer_tail_replaces_the_entry_it_extends():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     run_prefill(kv, make_seq([10, 11, 12, 13, 14, 40, 41], "a", boundaries=[5]))
     kv.take_block_copies()
-    assert [e.tail for e in kv.partial.values()] == [(14,)]
+    assert [e.tail for e in kv.entries.by_block.values()] == [(14,)]
     b = make_seq([10, 11, 12, 13, 14, 15, 16, 50], "b", boundaries=[7])
     prefix = kv.match_prefix(b)
     assert prefix.num_tokens == 5
@@ -294,12 +294,12 @@ def test_a_longer_tail_replaces_the_entry_it_extends():
     b.num_computed_tokens = 8
     kv.cache_computed_blocks(b)
     assert kv.take_block_copies() == [(3, 2)]  # (14, 15, 16) replaces (14,) and takes its block
-    assert [e.tail for e in kv.partial.values()] == [(14, 15, 16)]
+    assert [e.tail for e in kv.entries.by_block.values()] == [(14, 15, 16)]
     c = make_seq([10, 11, 12, 13, 14, 15, 60], "c", boundaries=[6])
     run_prefill(kv, c)
     assert c.num_cached_tokens == 6
     assert kv.take_block_copies() == [(2, 4)]  # (14, 15) is served by (14, 15, 16): no new entry
-    assert [e.tail for e in kv.partial.values()] == [(14, 15, 16)]
+    assert [e.tail for e in kv.entries.by_block.values()] == [(14, 15, 16)]
 
 
 def test_a_hit_on_the_last_free_block_takes_the_entry_over():
@@ -311,22 +311,22 @@ def test_a_hit_on_the_last_free_block_takes_the_entry_over():
     prefix = kv.match_prefix(b)
     assert prefix.num_tokens == 6
     assert kv.allocate(b, 3, prefix) == [2, 3]  # no block is left for a copy: the page itself
-    assert kv.take_block_copies() == [] and kv.partial == {}
+    assert kv.take_block_copies() == [] and kv.entries.by_block == {}
     assert b.block_ids == [0, 2, 3] and b.num_computed_tokens == 6
-    assert kv.check_integrity([a, b]) == BlockCounts(free=0, cached=0, used=4, partial=0)
+    assert kv.check_integrity([a, b]) == BlockCounts(free=0, cached=0, used=4, entries=0)
 
 
 def test_no_entry_without_a_free_block_or_with_entries_off():
-    kv = KVCacheManager(num_blocks=2, block_size=BS, max_partial_entries=1)
+    kv = KVCacheManager(num_blocks=2, block_size=BS, max_entries=1)
     a = make_seq(range(10, 18), "a", boundaries=[6])
     run_prefill(kv, a)  # both blocks are a's: the boundary is skipped, never evicting a used block
-    assert kv.take_block_copies() == [] and kv.partial == {}
-    off = KVCacheManager(num_blocks=8, block_size=BS, max_partial_entries=0)
+    assert kv.take_block_copies() == [] and kv.entries.by_block == {}
+    off = KVCacheManager(num_blocks=8, block_size=BS, max_entries=0)
     b = make_seq(range(10, 17), "b", boundaries=[6])
     run_prefill(off, b)
     off.free(b)
-    assert off.take_block_copies() == [] and off.partial == {}
-    assert off.check_integrity([]) == BlockCounts(free=7, cached=1, used=0, partial=0)
+    assert off.take_block_copies() == [] and off.entries.by_block == {}
+    assert off.check_integrity([]) == BlockCounts(free=7, cached=1, used=0, entries=0)
 
 
 def test_integrity_check_catches_a_lost_entry():
@@ -334,7 +334,7 @@ def test_integrity_check_catches_a_lost_entry():
     s = make_seq(range(10, 17), "s")
     run_prefill(kv, s)
     kv.free(s)
-    assert kv.check_integrity([]).partial == 1
-    kv._partial_by_key.clear()
+    assert kv.check_integrity([]).entries == 1
+    kv.entries._by_key.clear()
     with pytest.raises(IntegrityError, match="entry index"):
         kv.check_integrity([])
