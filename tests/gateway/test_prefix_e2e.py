@@ -153,50 +153,44 @@ async def test_conversations_land_where_their_prefix_is(cluster: Cluster):
     assert len({r[3] for r in results}) == 3  # and the conversations spread over every engine
 
 
-async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
-    failures: list[str] = []
-    done = 0
-    stop = threading.Event()
+class _Conversations:
+    """Worker threads, each growing one conversation through both gateways until stopped."""
 
-    def worker(w: int) -> None:
-        nonlocal done
+    def __init__(self, cluster: Cluster, workers: int):
+        self.cluster, self.done, self.failures = cluster, 0, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._worker, args=(w,)) for w in range(workers)]
+
+    def _worker(self, w: int) -> None:
         sync = [openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-                for g in cluster.gateways]
+                for g in self.cluster.gateways]
         rng = random.Random(w)
-        prefix = [rng.randrange(300, 40000) for _ in range(100)]  # each worker: one growing conversation
+        prefix = [rng.randrange(300, 40000) for _ in range(100)]
         i = 0
-        while not stop.is_set():
+        while not self.stop.is_set():
             try:
                 sync[i % 2].completions.create(model="tiny", prompt=prefix + [w, i], max_tokens=2,
                                                extra_body={"ignore_eos": True})
-                done += 1
+                self.done += 1
             except openai.OpenAIError as exc:
-                failures.append(repr(exc))
+                self.failures.append(repr(exc))
             i += 1
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.5)
-        cluster.redis.stop()
-        before = done
-        time.sleep(3)
-        assert done > before  # served while Redis was down
-        cluster.redis.start()
-        time.sleep(2)
-    finally:
-        stop.set()
-        for t in threads:
+    def __enter__(self) -> _Conversations:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop.set()
+        for t in self.threads:
             t.join(60)
-    assert failures == []
-    for gateway in cluster.gateways:
-        events = [x.get("event") for x in gateway.log_lines()]
-        assert "prefix_index_unavailable" in events
-        assert routed(gateway).get("no_index", 0) > 0
-    # the engines resync into the fresh Redis by themselves: every replica is live with its cache again
+
+
+def wait_for_index_repopulated(cluster: Cluster, timeout: float = 20) -> None:
+    """The engines resync into a fresh Redis by themselves: every replica live with its cache again."""
     client_ = redis.Redis(port=cluster.redis.port)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + timeout
     while True:
         live = {r.decode() for r in client_.zrange(f"{KEYS}:live", 0, -1)}
         held = {f"e{i}": client_.hlen(f"{KEYS}:parent:e{i}") for i in range(3)}
@@ -205,6 +199,23 @@ async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
         assert time.monotonic() < deadline, f"index not repopulated: live {live}, blocks {held}"
         time.sleep(0.2)
     client_.close()
+
+
+async def test_redis_stopped_under_load_fails_no_request(cluster: Cluster):
+    with _Conversations(cluster, workers=4) as load:
+        time.sleep(1.5)
+        cluster.redis.stop()
+        before = load.done
+        time.sleep(3)
+        assert load.done > before  # served while Redis was down
+        cluster.redis.start()
+        time.sleep(2)
+    assert load.failures == []
+    for gateway in cluster.gateways:
+        events = [x.get("event") for x in gateway.log_lines()]
+        assert "prefix_index_unavailable" in events
+        assert routed(gateway).get("no_index", 0) > 0
+    wait_for_index_repopulated(cluster)
     # and the gateways route on it again
     prompt = [random.Random(9).randrange(300, 40000) for _ in range(120)]
     first = await client(cluster.gateways[0]).completions.with_raw_response.create(

@@ -292,6 +292,53 @@ async def test_bad_arguments_raise_and_change_nothing(open_test_index, backend_u
         open_index("http://localhost:6379", "m", 16)
 
 
+async def _write_chain(ix, replica_id, h, depth):
+    """In chain order, several blocks at a time: a replica's count only ever grows."""
+    for start in range(0, depth, 5):
+        stop = min(start + 5, depth)
+        await store(ix, replica_id, h[start:stop], parent=h[start - 1] if start else None)
+        await asyncio.sleep(0)
+
+
+async def _read_while(ix, h, depths, keep_going) -> int:
+    """Look up ``h`` until ``keep_going()`` is false (at least 3 times); every answer must be a
+    state that existed: each replica's count between the last one seen and its final depth."""
+    seen = dict.fromkeys(depths, 0)
+    reads = 0
+    while keep_going() or reads < 3:
+        await asyncio.sleep(0)  # memory:// lookups never suspend: let the writers run
+        matched = await ix.lookup(h)
+        assert matched.keys() == depths.keys()
+        for replica_id, n in matched.items():
+            assert seen[replica_id] <= n <= depths[replica_id]
+            seen[replica_id] = n
+        reads += 1
+    return reads
+
+
+def _writer_thread(backend_url, namespace, replica_id, h, depths, errors: list[BaseException]):
+    """A thread with its own loop and client that writes one replica's chain while reading."""
+
+    async def main():
+        ix = open_index(backend_url, "m", BS, namespace=namespace)
+        written = False
+
+        async def write_all():
+            nonlocal written
+            await _write_chain(ix, replica_id, h, depths[replica_id])
+            written = True
+
+        try:
+            await asyncio.gather(write_all(), _read_while(ix, h, depths, lambda: not written))
+        finally:
+            await ix.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        errors.append(e)
+
+
 async def test_concurrent_tasks_and_threads(open_test_index, backend_url, namespace):
     """Writers on many tasks and threads, readers checking every answer is a state that existed."""
     index = open_test_index()
@@ -301,56 +348,15 @@ async def test_concurrent_tasks_and_threads(open_test_index, backend_url, namesp
     for replica_id in depths:
         await join(index, replica_id)
     writing = True
-
-    async def write(ix, replica_id):
-        # In chain order, several blocks at a time: a replica's count only ever grows.
-        for start in range(0, depths[replica_id], 5):
-            stop = min(start + 5, depths[replica_id])
-            await store(ix, replica_id, h[start:stop], parent=h[start - 1] if start else None)
-            await asyncio.sleep(0)
-
-    async def read(ix, keep_going):
-        seen = dict.fromkeys(depths, 0)
-        reads = 0
-        while keep_going() or reads < 3:
-            await asyncio.sleep(0)  # memory:// lookups never suspend: let the writers run
-            matched = await ix.lookup(h)
-            assert matched.keys() == depths.keys()
-            for replica_id, n in matched.items():
-                assert seen[replica_id] <= n <= depths[replica_id]
-                seen[replica_id] = n
-            reads += 1
-        return reads
-
-    async def in_thread(replica_id):
-        ix = open_index(backend_url, "m", BS, namespace=namespace)  # own client, own loop
-        written = False
-
-        async def write_all():
-            nonlocal written
-            await write(ix, replica_id)
-            written = True
-
-        try:
-            await asyncio.gather(write_all(), read(ix, lambda: not written))
-        finally:
-            await ix.close()
-
     errors: list[BaseException] = []
-
-    def thread_main(replica_id):
-        try:
-            asyncio.run(in_thread(replica_id))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
     threads = [
-        threading.Thread(target=thread_main, args=(r,)) for r in depths if r.startswith("thread")
+        threading.Thread(target=_writer_thread, args=(backend_url, namespace, r, h, depths, errors))
+        for r in depths if r.startswith("thread")
     ]
     for t in threads:
         t.start()
-    readers = [asyncio.create_task(read(index, lambda: writing)) for _ in range(3)]
-    await asyncio.gather(*(write(index, r) for r in depths if r.startswith("task")))
+    readers = [asyncio.create_task(_read_while(index, h, depths, lambda: writing)) for _ in range(3)]
+    await asyncio.gather(*(_write_chain(index, r, h, depths[r]) for r in depths if r.startswith("task")))
     await asyncio.to_thread(lambda: [t.join() for t in threads])
     writing = False
     assert all(await asyncio.gather(*readers))
