@@ -1,0 +1,146 @@
+"""OpenAI response shapes: a run as a JSON body once it is done, or as SSE events while it goes.
+
+One :class:`ResponseShape` per API (chat, completions) holds its id prefix, JSON and SSE shapes and its
+logprob format. :class:`EventStream` sends the SSE events and closes the run however the response ends.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar, Generic, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.protocol import TokenLogprob
+from gateway.run import Run
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tokenizer import Tokenizer
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp here too
+_Req = TypeVar("_Req", bound=SamplingFields)
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always runs ``on_close`` when it ends, also when the client leaves early or
+    before the first byte (an async generator that never started would run no ``finally``)."""
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN and -inf
+
+
+def _response_id(run: Run) -> str:
+    """The OpenAI id: the engine request id, without the per-prompt suffix of a batch."""
+    request_id = run.jobs[0].request.request_id
+    return request_id if len(run.jobs) == 1 else request_id.rsplit("-", 1)[0]
+
+
+class ResponseShape(ABC, Generic[_Req]):
+    """How one API answers: ``json`` reads a collected run, ``events`` reads the run's deltas as they come."""
+
+    id_prefix: ClassVar[str]  # of the response id, which is also the engine request id
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    @abstractmethod
+    def json(self, run: Run, req: _Req, created: int) -> dict: ...
+
+    @abstractmethod
+    def events(self, run: Run, req: _Req, created: int) -> AsyncIterator[str]: ...
+
+
+class ChatShape(ResponseShape[ChatCompletionRequest]):
+    id_prefix = "chatcmpl-"
+
+    def json(self, run: Run, req: ChatCompletionRequest, created: int) -> dict:
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.seq.text},
+             "logprobs": {"content": self._logprobs(c.lp_tokens, c.lp_values)} if run.logprobs else None,
+             "finish_reason": c.finish_reason}
+            for c in run.choices
+        ]
+        return {"id": _response_id(run), "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": run.usage()}
+
+    async def events(self, run: Run, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
+        head = dumps({"id": _response_id(run), "object": "chat.completion.chunk", "created": created,
+                      "model": self.model_name})[:-1]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        for c in run.choices:
+            role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield f'data: {head},"choices":[{dumps(role)}]{tail}'
+        async for d in run.deltas():
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                      "logprobs": {"content": self._logprobs(d.token_ids, d.logprobs)} if run.logprobs else None,
+                      "finish_reason": d.finish_reason}
+            yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
+        if include_usage:
+            yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[dict]:
+        tok = self.tokenizer
+        return [
+            {"token": tok.token_text(t), "logprob": _clamp(lp.logprob), "bytes": list(tok.token_bytes(t)),
+             "top_logprobs": [{"token": tok.token_text(tid), "logprob": _clamp(v), "bytes": list(tok.token_bytes(tid))}
+                              for tid, v in lp.top]}
+            for t, lp in zip(token_ids, logprobs)
+        ]
+
+
+class CompletionShape(ResponseShape[CompletionRequest]):
+    id_prefix = "cmpl-"
+
+    def json(self, run: Run, req: CompletionRequest, created: int) -> dict:
+        choices = [
+            {"index": c.index, "text": c.seq.text,
+             "logprobs": self._logprobs(c.lp_tokens, c.lp_values, c.lp_offsets) if run.logprobs else None,
+             "finish_reason": c.finish_reason}
+            for c in run.choices
+        ]
+        return {"id": _response_id(run), "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": run.usage()}
+
+    async def events(self, run: Run, req: CompletionRequest, created: int) -> AsyncIterator[str]:
+        head = dumps({"id": _response_id(run), "object": "text_completion", "created": created,
+                      "model": self.model_name})[:-1]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        async for d in run.deltas():
+            logprobs = self._logprobs(d.token_ids, d.logprobs, d.offsets) if run.logprobs else None
+            choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
+        if include_usage:
+            yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], offsets: list[int]) -> dict:
+        tok = self.tokenizer
+        return {
+            "tokens": [tok.token_text(t) for t in token_ids],
+            "token_logprobs": [_clamp(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{tok.token_text(tid): _clamp(v) for tid, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }

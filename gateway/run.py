@@ -1,0 +1,177 @@
+"""The engine side of one OpenAI request: engine frames → per-choice deltas.
+
+A run has one *job* (engine request) per prompt and n *choices* (sequences) per job. Frames of all jobs
+are merged as they come; each goes through its choice's incremental detokenization and stop strings
+(:class:`SequenceText`) and becomes a :class:`Delta`. A choice that hit a stop string ignores its later
+frames; when every choice of a job is done its stream is closed, which aborts what the engine still
+runs for it. Closing the streams at the end of the request is the caller's job (``Serving._finish``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+
+from engine.protocol import GenerateRequest, OutputFrame, TokenLogprob
+from gateway.detokenizer import SequenceText
+from gateway.engine_client import EngineFailed
+from gateway.pool import RoutedStream
+
+
+class Delta(NamedTuple):
+    """What one engine frame added to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]  # the tokens consumed (none after a stop string)
+    logprobs: list[TokenLogprob] | None
+    offsets: list[int]  # text offset where each consumed token starts
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    seq: SequenceText
+    finish_reason: str | None = None
+    # accumulated for a non-streamed response with logprobs
+    lp_tokens: list[int] = field(default_factory=list)
+    lp_values: list[TokenLogprob] = field(default_factory=list)
+    lp_offsets: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request and its n choices."""
+
+    request: GenerateRequest
+    choices: list[Choice]
+    open: int  # choices not finished yet
+    running: int  # sequences the engine has not finished yet
+    cached_tokens: int = 0
+    stream: RoutedStream | None = None  # once routed
+
+    @property
+    def done(self) -> bool:
+        return self.open == 0
+
+
+@dataclass(slots=True)
+class Run:
+    """The engine side of one OpenAI request. :meth:`deltas` (streamed) or :meth:`collect` (not
+    streamed) reads it once; both raise :class:`EngineFailed` when an engine fails or breaks the protocol."""
+
+    jobs: list[Job]
+    choices: list[Choice]
+    logprobs: bool
+    first_token_at: float | None = None
+    finished: bool = False
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(j.request.prompt_ids) for j in self.jobs)
+        completion = sum(c.seq.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(j.cached_tokens for j in self.jobs)}}
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        aborted = False
+        async with contextlib.aclosing(self._frames()) as frames:
+            async for job, frame in frames:
+                delta = self._apply(job, frame)
+                if delta is not None:
+                    yield delta
+                if job.done and job.running:
+                    await job.stream.aclose()  # stop strings ended it early: abort what the engine still runs
+                    job.running = 0
+                    aborted = True
+                if aborted and all(j.done for j in self.jobs):
+                    return
+                # Otherwise read on to the end of each stream, so its connection goes back to the pool.
+        if not all(j.done for j in self.jobs):
+            raise EngineFailed("an engine stream ended before all its sequences finished")
+
+    async def collect(self) -> None:
+        """Read the run to its end for a non-streamed response: the text stays in each choice's
+        ``seq``, its logprobs (when asked) in the choice's ``lp_*`` lists."""
+        async for d in self.deltas():
+            if self.logprobs:
+                c = self.choices[d.index]
+                c.lp_tokens += d.token_ids
+                c.lp_values += d.logprobs
+                c.lp_offsets += d.offsets
+
+    async def _frames(self) -> AsyncIterator[tuple[Job, OutputFrame]]:
+        """Frames of all jobs as they come; frames of a job already done are dropped."""
+        if len(self.jobs) == 1:
+            job = self.jobs[0]
+            async with contextlib.aclosing(job.stream.frames()) as frames:
+                async for frame in frames:
+                    yield job, frame
+            return
+        queue: asyncio.Queue[tuple[Job, OutputFrame | Exception | None]] = asyncio.Queue()
+
+        async def pump(job: Job) -> None:
+            try:
+                async with contextlib.aclosing(job.stream.frames()) as frames:
+                    async for frame in frames:
+                        queue.put_nowait((job, frame))
+                queue.put_nowait((job, None))
+            except Exception as exc:  # noqa: BLE001 — handed to the consumer, which decides
+                queue.put_nowait((job, exc))
+
+        tasks = [asyncio.create_task(pump(job)) for job in self.jobs]
+        try:
+            running = len(tasks)
+            while running:
+                job, item = await queue.get()
+                if item is None or isinstance(item, Exception):
+                    running -= 1
+                if job.done:
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if item is not None:
+                    yield job, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _apply(self, job: Job, frame: OutputFrame) -> Delta | None:
+        if not 0 <= frame.index < len(job.choices):
+            raise EngineFailed(f"engine sent a frame for sequence {frame.index} of {len(job.choices)}")
+        if frame.finish_reason is not None:
+            job.running -= 1
+        choice = job.choices[frame.index]
+        if choice.finish_reason is not None:
+            return None
+        job.cached_tokens = max(job.cached_tokens, frame.num_cached_tokens)
+        if frame.finish_reason in ("error", "abort"):
+            raise EngineFailed(
+                f"engine {job.stream.replica.url} ended the request: {frame.error or frame.finish_reason}")
+        seq = choice.seq
+        offsets = seq.add(frame.token_ids)
+        if offsets and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        finish = "stop" if seq.stopped else frame.finish_reason
+        text = seq.finish() if finish else seq.release()
+        if finish:
+            choice.finish_reason = finish
+            job.open -= 1
+        elif not text and not offsets:
+            return None
+        consumed = len(offsets)
+        token_ids = frame.token_ids if consumed == len(frame.token_ids) else frame.token_ids[:consumed]
+        logprobs = None
+        if self.logprobs:
+            if frame.logprobs is None and consumed:
+                raise EngineFailed("engine sent no logprobs although they were asked for")
+            logprobs = (frame.logprobs or [])[:consumed]
+        return Delta(choice.index, text, token_ids, logprobs, offsets, finish)
