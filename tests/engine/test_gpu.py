@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.models.hf_twin import hf_twin
+from benchmarks.hf_twin import hf_twin
 from engine.protocol import GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
