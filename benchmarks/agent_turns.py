@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -42,6 +41,7 @@ from engine.logs import configure_logging  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from kernels import load_ops  # noqa: E402
+from loadtest.stamp import emit  # noqa: E402
 
 IM_START, IM_END, NL = 1, 2, 198
 ROLES = {"system": (9690,), "user": (4093,), "assistant": (520, 9531)}
@@ -169,8 +169,7 @@ def main() -> None:
                 core = EngineCore.from_model(engine_config, model, config)
                 start = time.perf_counter()
                 records = run(core, args, thinking)
-                print(json.dumps(summarize(records, block_size, thinking, entries, time.perf_counter() - start)),
-                      flush=True)
+                emit(**summarize(records, block_size, thinking, entries, time.perf_counter() - start))
 
 
 if __name__ == "__main__":

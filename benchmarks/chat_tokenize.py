@@ -14,7 +14,6 @@ against the peer's. One JSON line per turn and way, then the totals.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,13 +25,14 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.config import default_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
+from loadtest import stamp  # noqa: E402
 from loadtest.workload import Workload, WorkloadConfig  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "kvgate"
 
 
 def emit(**fields) -> None:
-    print(json.dumps({"benchmark": "chat_tokenize", **fields}), flush=True)
+    stamp.emit(benchmark="chat_tokenize", **fields)
 
 
 def main() -> None:

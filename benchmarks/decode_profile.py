@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import sys
@@ -28,13 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
+from loadtest.stamp import emit  # noqa: E402
 
 REPLAYS = 50
 MAX_MODEL_LEN = {"smollm2-135m": 2048, "llama3-8b": 8192}  # as in gpu_bench.py: the graphs' split counts
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -73,7 +69,7 @@ def fake_seqs(core: EngineCore, batch: int, context: int) -> list[SimpleNamespac
 def profile_bucket(core: EngineCore, batch: int, context: int, bandwidth: float) -> None:
     graphs = core.runner.decode_graphs
     graphs.run(fake_seqs(core, batch, context))  # fills the static inputs of this bucket
-    graph = graphs._graphs[graphs.graph_key(batch, context)]
+    graph = graphs.graph(batch, context)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import socket
@@ -30,10 +29,7 @@ from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
 from engine.models.loader import default_model_path  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+from loadtest.stamp import emit  # noqa: E402
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -34,6 +34,7 @@ from gateway.config import default_model_path  # noqa: E402
 from gateway.engine_client import MSGPACK  # noqa: E402
 from gateway.spawn import free_port  # noqa: E402
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
+from loadtest import stamp  # noqa: E402
 
 GOAL_ADDED_P50_MS = 1.0
 PROMPT = "Hello! How are you doing today?"
@@ -41,7 +42,7 @@ MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "c
 
 
 def emit(**fields) -> None:
-    print(json.dumps({"benchmark": "gateway_overhead", **fields}), flush=True)
+    stamp.emit(benchmark="gateway_overhead", **fields)
 
 
 def start(argv: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -11,7 +11,7 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
-HF peers run on the very tensors our model holds (engine.models.hf_twin), after the engine's KV cache
+HF peers run on the very tensors our model holds (benchmarks/hf_twin.py), after the engine's KV cache
 is freed. Peers that would not fit in --budget-s are skipped with a line saying so.
 
     python3 benchmarks/gpu_bench.py [--budget-s 420] [--only ttft,decode_b1,...]
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
@@ -35,20 +34,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.hf_twin import hf_twin  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
-from engine.models.hf_twin import hf_twin  # noqa: E402
 from engine.models.llama import LlamaForCausalLM  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from loadtest.stamp import emit  # noqa: E402
 
 SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "offline")
 START = time.perf_counter()
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def sync_time() -> float:
@@ -220,8 +216,8 @@ def ours_decode_b1(core: EngineCore, prompt_len: int, new_tokens: int) -> tuple[
         rid = run.ids[0]
         rate = (new_tokens - 1) / (run.last[rid] - run.first[rid])
     graphs = core.runner.decode_graphs
-    graphs._ids[2].fill_(-1)  # replays below store no K/V (their inputs are the last step's)
-    graph = graphs._graphs[graphs.graph_key(1, prompt_len + new_tokens)]
+    graphs.skip_kv_stores()  # the replays below rerun the last step's inputs
+    graph = graphs.graph(1, prompt_len + new_tokens)
     t0 = sync_time()
     for _ in range(100):
         graph.replay()

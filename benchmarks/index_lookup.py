@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -36,6 +35,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import redis
 import structlog
 
+from loadtest import stamp
 from prefix_index.events import BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
 from prefix_index.index import PrefixIndex, open_index
@@ -53,7 +53,7 @@ SCENARIOS = {  # matched depth, in blocks, of each of the 4 live replicas
 
 
 def emit(**fields) -> None:
-    print(json.dumps({"load_avg_1m": round(os.getloadavg()[0], 2), **fields}), flush=True)
+    stamp.emit(load_avg_1m=round(os.getloadavg()[0], 2), **fields)
 
 
 def percentiles(samples_s: list[float], unit: str = "ms") -> dict[str, float]:

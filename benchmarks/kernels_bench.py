@@ -17,7 +17,6 @@ graphs, as the engine replays decode steps; the ``gemv`` rows time the decode pr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import reference, triton_ops  # noqa: E402
+from loadtest.stamp import emit  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -48,10 +48,6 @@ GRAPH_LAYER_CALLS = 10  # calls per captured graph, as a model's layers: the gra
 GRAPH_REPLAYS = 1000
 DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
 PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 3)]
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def time_us(fn: Callable[[], object]) -> float:

@@ -12,7 +12,6 @@ one engine of the routing A/B)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -28,12 +27,9 @@ from engine.core import EngineCore  # noqa: E402
 from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from loadtest.stamp import emit  # noqa: E402
 
 BUDGET = 2048
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

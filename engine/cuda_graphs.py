@@ -98,6 +98,15 @@ class DecodeGraphs:
         """(bucket, context bound) of the graph that runs such a step."""
         return self.bucket(num_seqs), next(b for b in self.context_bounds if longest_context <= b)
 
+    def graph(self, num_seqs: int, longest_context: int) -> torch.cuda.CUDAGraph:
+        """The captured graph that runs such a step, for benchmarks that replay it alone."""
+        return self._graphs[self.graph_key(num_seqs, longest_context)]
+
+    def skip_kv_stores(self) -> None:
+        """Until the next ``run``, replays store no K/V (every slot -1), so replaying the last
+        step's inputs again leaves the cache as it was."""
+        self._ids[2].fill_(-1)
+
     def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
         attn = AttentionMetadata(
             block_tables=self._tables[:batch_size],

@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.spawn import free_port
 from loadtest import report
+from loadtest.stamp import stamp
 from loadtest.workload import WorkloadConfig, add_pause_arguments, add_workload_arguments
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                    "conversation_gap_s": args.conversation_gap, "conversation_rate_per_s": args.conversation_rate,
                    "model": args.model, "load_format": args.load_format, "engine_args": args.engine_args,
                    "engine_cpu_threads": engine_threads(args),
-                   "tokenizer": tokenizer, "workload": workload.to_json()}
+                   "tokenizer": tokenizer, "workload": workload.to_json(), **stamp()}
             for policy in policies:
                 with redis.Redis.from_url(redis_url) as client:
                     client.flushdb()  # no index entries of the previous policy's engines

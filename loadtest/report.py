@@ -30,6 +30,7 @@ import numpy as np
 import structlog
 
 from loadtest.records import FIELDS, RequestRecord, iter_rows, read_records
+from loadtest.stamp import stamp
 from loadtest.workload import Workload, WorkloadConfig
 from prefix_index.hashing import BlockHash, block_hashes
 
@@ -249,7 +250,7 @@ def write_report(out: Path, tokenizer: Any | None = None) -> dict[str, Any]:
         cpu = out / name / "cpu.json"
         if cpu.is_file():
             policies[name]["cpu"] = cpu_summary(json.loads(cpu.read_text()), policies[name]["requests"])
-    summary = {"run": run, "policies": policies, "comparison": compare(policies)}
+    summary = {"run": run, "report": stamp(), "policies": policies, "comparison": compare(policies)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with (out / "requests.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=("policy", *FIELDS))

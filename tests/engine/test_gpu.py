@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from benchmarks.hf_twin import hf_twin
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.warmup import warmup
-from engine.models.hf_twin import hf_twin
 from engine.protocol import GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -4,7 +4,7 @@ import torch
 from paged import PagedKV
 
 from engine.config import DUMMY_CONFIGS
-from engine.models.hf_twin import hf_twin
+from benchmarks.hf_twin import hf_twin
 from engine.models.llama import LlamaForCausalLM
 from kernels import load_ops
 

@@ -1,7 +1,7 @@
 """A Hugging Face transformers ``LlamaForCausalLM`` running on our model's own weight tensors.
 
-For reference comparisons and benchmark peers: both models see exactly the same (dummy or loaded)
-weights, with no copy. ``transformers`` is imported here only, never by the engine core.
+For reference tests and benchmark peers, so it lives beside the benchmarks, outside the product
+packages: both models see exactly the same (dummy or loaded) weights, with no copy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as files: ``python benchmarks/X.py``) and the HF twin they share with the tests."""
