@@ -25,11 +25,10 @@ from starlette.routing import Route
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.protocol import GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
+from engine.protocol import MSGPACK, GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
 
 log = structlog.get_logger("engine.server")
 
-MSGPACK = "application/x-msgpack"
 STATS_INTERVAL_S = 0.05  # /stats and /metrics read a snapshot at most this old while busy
 
 
@@ -102,7 +101,7 @@ class EngineLoop:
 
         cfg = self._config
         self._publisher = KVEventPublisher(
-            cfg.index_url, cfg.replica_id, core.model_config.name, cfg.block_size, snapshot=core.kv.snapshot
+            cfg.index_url, cfg.replica_id, cfg.served_name, cfg.block_size, snapshot=core.kv.snapshot
         )
         self._publisher.start()
 
