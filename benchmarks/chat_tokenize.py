@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.config import default_model_path  # noqa: E402
+from engine.protocol import default_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
 from loadtest import stamp  # noqa: E402
 from loadtest.workload import Workload, WorkloadConfig  # noqa: E402

@@ -27,8 +27,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.warmup import warmup  # noqa: E402
 from engine.logs import configure_logging  # noqa: E402
-from engine.models.loader import default_model_path  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from engine.protocol import GenerateRequest, SamplingParams, default_model_path  # noqa: E402
 from loadtest.stamp import emit  # noqa: E402
 
 

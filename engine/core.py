@@ -250,7 +250,7 @@ class EngineCore:
     def stats(self) -> dict:
         kv = self.kv
         return {
-            "model": self.model_config.name,
+            "model": self.config.served_name,
             "replica_id": self.config.replica_id,
             "block_size": kv.block_size,
             "max_model_len": self.max_model_len,

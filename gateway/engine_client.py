@@ -13,9 +13,7 @@ import anyio
 import httpx
 import msgpack
 
-from engine.protocol import GenerateRequest, OutputFrame
-
-MSGPACK = "application/x-msgpack"
+from engine.protocol import MSGPACK, GenerateRequest, OutputFrame
 
 
 class EngineUnavailable(Exception):

@@ -1,4 +1,5 @@
-"""Local engine subprocesses (``--spawn-engines N``): started on free ports, stopped with the gateway."""
+"""Local engine subprocesses (``--spawn-engines N``): their command line, started on free ports,
+stopped with the gateway."""
 
 from __future__ import annotations
 
@@ -8,14 +9,51 @@ import ctypes
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 import structlog
-
-from gateway.config import SpawnConfig
 
 log = structlog.get_logger("gateway.spawn")
 
 HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnConfig:
+    """The engines the gateway starts: how many, and the `python -m engine serve` flags they get. A flag
+    left None is not passed, so the engine's own default applies."""
+
+    count: int
+    model: str
+    load_format: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    served_model_name: str | None = None  # None: the engines derive it from --model
+    index_url: str | None = None  # where engines publish KV events; memory:// lives in one process only
+    engine_args: tuple[str, ...] = ()  # more `engine serve` flags, last so that they win
+
+    def argv(self, host: str, port: int, index: int) -> list[str]:
+        """The command line of engine number ``index``; ``--device cuda`` puts engine i on cuda:i. Each
+        engine gets its own replica id (host name and port) for the prefix index."""
+        device = f"cuda:{index}" if self.device == "cuda" and self.count > 1 else self.device
+        args = [sys.executable, "-m", "engine", "serve", "--host", host, "--port", str(port),
+                "--model", self.model, "--replica-id", f"{socket.gethostname()}:{port}"]
+        for flag, value in (
+            ("--load-format", self.load_format),
+            ("--device", device),
+            ("--dtype", self.dtype),
+            ("--block-size", self.block_size),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--served-model-name", self.served_model_name),
+            ("--index-url", self.index_url),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + list(self.engine_args)
 
 
 def free_port(host: str = HOST) -> int:

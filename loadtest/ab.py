@@ -119,7 +119,8 @@ def wait_http(targets: Sequence[Service], path: str, timeout_s: float) -> None:
 
 def check_policies(policies: Sequence[str], flags: Sequence[str]) -> None:
     """Ask the gateway's own config loader whether it accepts each ``--routing`` policy."""
-    from gateway.config import ConfigError, load_config
+    from gateway.config import load_config
+    from gateway.settings import ConfigError
 
     for policy in policies:
         argv = ["--engine", f"http://{HOST}:9", "--routing", policy, *flags]
@@ -159,7 +160,8 @@ def gateway_flags(args: argparse.Namespace, tokenizer: str, index_url: str) -> l
 
 
 def default_tokenizer(model: str, load_format: str) -> str:
-    from gateway.config import default_model_path, has_tokenizer_files
+    from engine.protocol import default_model_path
+    from gateway.config import has_tokenizer_files
 
     if load_format != "dummy" and has_tokenizer_files(Path(model)):
         return str(Path(model).resolve())

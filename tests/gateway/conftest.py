@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from gw_harness import API_KEYS, CACHE_DIR, TINY_ENGINE_ARGS, Proc, start_engine, start_gateway
 
-from gateway.config import default_model_path
+from engine.protocol import default_model_path
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
-from gateway.config import DEFAULT_MODEL_NAME, ConfigError, default_model_path, load_config
+from engine.protocol import default_model_path
+from gateway.config import GatewayConfig, load_config
+from gateway.settings import ConfigError
 
 ENGINE = ["--engine", "http://127.0.0.1:9001"]
 
@@ -17,7 +20,8 @@ def test_defaults_spawn_one_engine_with_the_default_model():
     assert config.spawn is not None and config.spawn.count == 1
     assert config.spawn.model == str(default_model_path())
     assert config.tokenizer == str(default_model_path())
-    assert config.served_model_name == DEFAULT_MODEL_NAME
+    assert config.served_model_name is None  # the engines name their model
+    assert "--served-model-name" not in config.spawn.argv("127.0.0.1", 9999, 0)
     assert (config.host, config.port, config.routing, config.index_url) == ("127.0.0.1", 8000, "prefix", "memory://")
     assert config.api_keys == () and not config.shared_prefix_cache and config.trusted_proxies == ()
 
@@ -54,6 +58,19 @@ def test_spawn_flags_pass_through():
     assert "--dtype" not in argv and "--index-url" not in argv  # unset flags keep the engine's defaults
 
 
+def test_spawned_engines_get_the_served_model_name():
+    config = load_config(["--served-model-name", "my-model"], environ={})
+    argv = config.spawn.argv("127.0.0.1", 9999, 0)
+    assert config.served_model_name == "my-model" and argv[argv.index("--served-model-name") + 1] == "my-model"
+    assert "--load-format" not in argv  # the engine's default
+
+
+def test_dataclass_defaults_are_the_settings_defaults():
+    loaded = load_config(ENGINE, environ={})  # all defaults but the engine URL and the resolved tokenizer
+    assert loaded.cache_dir == GatewayConfig().cache_dir.expanduser()
+    assert dataclasses.replace(loaded, engines=(), tokenizer="", cache_dir=GatewayConfig().cache_dir) == GatewayConfig()
+
+
 def test_spawned_engines_publish_to_a_shared_index_only():
     redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
     assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
@@ -76,6 +93,7 @@ def test_spawned_engines_publish_to_a_shared_index_only():
     (["--api-key-file", "/nonexistent/keys"], {}, "--api-key-file='/nonexistent/keys'"),
     ([*ENGINE, "--spawn-engines", "2"], {}, "--engine and --spawn-engines exclude each other"),
     ([*ENGINE, "--model", "x.gguf"], {}, "--model only applies with --spawn-engines"),
+    ([*ENGINE, "--served-model-name", "m"], {}, "--served-model-name only applies with --spawn-engines"),
 ])
 def test_bad_values_name_the_setting(argv, env, named):
     with pytest.raises(ConfigError) as info:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken
 
-from gateway.config import default_model_path
+from engine.protocol import default_model_path
 from gateway.schemas import ChatCompletionRequest
 from gateway.tokenizer import ConversationTokens, Tokenizer, load_hf_tokenizer
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from gateway.config import default_model_path
+from engine.protocol import default_model_path
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
 from loadtest import report
 from loadtest.records import RecordWriter, RequestRecord, read_records
