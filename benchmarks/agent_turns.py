@@ -164,7 +164,7 @@ def main() -> None:
                 engine_config = EngineConfig(
                     model=config.name, device=args.device, dtype="float32", block_size=block_size,
                     num_kv_blocks=args.kv_tokens // block_size,
-                    max_num_batched_tokens=2048, max_partial_entries_fraction=0.25 if entries else 0.0,
+                    max_num_batched_tokens=2048, max_entries_fraction=0.25 if entries else 0.0,
                 )
                 core = EngineCore.from_model(engine_config, model, config)
                 start = time.perf_counter()

@@ -194,7 +194,7 @@ class EngineConfig:
                                 action="store_true")
     enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
                                         action="store_false")
-    max_partial_entries_fraction: float = _flag(
+    max_entries_fraction: float = _flag(
         0.25, "at most this fraction of the KV pool holds exact-position prefix entries (copies of partially "
               "filled pages at the cache boundaries a request names, and of the last page of a finished "
               "sequence); 0 turns them off")
@@ -223,9 +223,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not 0 <= self.max_partial_entries_fraction <= 1:
+        if not 0 <= self.max_entries_fraction <= 1:
             raise ValueError(
-                f"max_partial_entries_fraction must be in [0, 1], got {self.max_partial_entries_fraction}"
+                f"max_entries_fraction must be in [0, 1], got {self.max_entries_fraction}"
             )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")

@@ -65,7 +65,7 @@ class EngineCore:
         runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
-            max_entries=int(num_blocks * config.max_partial_entries_fraction),
+            max_entries=int(num_blocks * config.max_entries_fraction),
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,

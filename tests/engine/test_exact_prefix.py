@@ -202,8 +202,8 @@ def test_copy_blocks_copies_every_layer_gathering_before_scattering(tiny_long):
 
 
 def test_fraction_flag_is_validated():
-    with pytest.raises(ValueError, match="max_partial_entries_fraction"):
-        EngineConfig(model="tiny", max_partial_entries_fraction=1.5)
+    with pytest.raises(ValueError, match="max_entries_fraction"):
+        EngineConfig(model="tiny", max_entries_fraction=1.5)
 
 
 # --- the real SmolLM2 (fp32, CPU) -----------------------------------------------------------
