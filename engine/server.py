@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.protocol import GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
+from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
 
 log = structlog.get_logger("engine.server")
 
@@ -81,7 +81,7 @@ class EngineLoop:
         self.core: EngineCore | None = None
         self.ready = threading.Event()
         self.failed: BaseException | None = None
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: EngineStats | None = None
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._deliver: Callable[[list[OutputFrame]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,7 +126,7 @@ class EngineLoop:
             if self._config.index_url is not None:
                 self._start_publisher(self.core)
             self.snapshot = self.core.stats()
-            log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot)
+            log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot.to_wire())
             self.ready.set()
         except BaseException as exc:  # noqa: BLE001 — reported through /health, then the thread ends
             log.exception("engine_start_failed")
@@ -278,7 +278,7 @@ def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None =
         return not_ready() or JSONResponse({"status": "ready"})
 
     async def stats(request: Request) -> Response:
-        return not_ready() or JSONResponse(engine.snapshot)
+        return not_ready() or JSONResponse(engine.snapshot.to_wire())
 
     async def integrity(request: Request) -> Response:
         if (resp := not_ready()) is not None:
@@ -292,10 +292,10 @@ def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None =
 
     async def prometheus(request: Request) -> Response:
         snap = engine.snapshot
-        if snap:
-            metrics.running.set(snap["num_running"])
-            metrics.waiting.set(snap["num_waiting"])
-            metrics.kv_usage.set(snap["kv_usage"])
+        if snap is not None:
+            metrics.running.set(snap.num_running)
+            metrics.waiting.set(snap.num_waiting)
+            metrics.kv_usage.set(snap.kv_usage)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager

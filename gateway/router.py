@@ -24,21 +24,19 @@ import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 import structlog
 
-from gateway.health import CircuitBreaker
+from gateway.replica import Replica
 from prefix_index.hashing import BlockHash, block_hashes
 from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.engine_client import EngineClient
     from gateway.metrics import GatewayMetrics
-    from gateway.pool import RoutedStream
 
 log = structlog.get_logger("gateway.router")
 
@@ -59,50 +57,7 @@ TIMEOUTS_BEFORE_BACKOFF = 3
 # A cold client connects and loads its Lua scripts on first use: slower than a request may wait.
 CONNECT_TIMEOUT_S = 5.0
 LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
-UTILIZATION_EWMA_WEIGHT = 0.3  # of the latest poll interval in a replica's utilization (1 s polls: ~3 s)
 MAX_UTILIZATION = 0.95  # caps the expected queue at 19 requests
-
-
-@dataclass(slots=True, eq=False)
-class Replica:
-    """One engine sidecar as this gateway sees it. Mutated only on the event loop, by the pool."""
-
-    url: str
-    client: EngineClient
-    ready: bool = False  # routable: its engine answers ready and its circuit breaker is closed
-    pending_prefill_tokens: int = 0  # predicted uncached prompt tokens of those without a first token yet
-    stats: dict[str, Any] = field(default_factory=dict)  # its last /stats
-    in_flight_at_poll: int = 0  # in_flight when ``stats`` was taken
-    replica_id: str | None = None  # its id in the prefix index (from /stats)
-    utilization: float = 0.0  # busy fraction of its engine loop, smoothed over polls
-    busy_sample: tuple[float, float] | None = None  # (engine's total_busy_seconds, monotonic time) at the last poll
-    engine_ready: bool = False  # its last /stats answered 200 with the pool's model
-    error: str | None = None  # why it is not ready
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    streams: set[RoutedStream] = field(default_factory=set)  # this gateway's engine requests on it
-
-    @property
-    def in_flight(self) -> int:
-        """This gateway's engine requests on it."""
-        return len(self.streams)
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting in the engine's queue, as of the last poll."""
-        return self.stats.get("num_waiting", 0)
-
-    def observe_busy(self, busy_seconds: float, now: float) -> None:
-        """A poll's ``total_busy_seconds`` counter at time ``now``: updates ``utilization``."""
-        if self.busy_sample is not None and now > self.busy_sample[1] and busy_seconds >= self.busy_sample[0]:
-            fraction = min(1.0, (busy_seconds - self.busy_sample[0]) / (now - self.busy_sample[1]))
-            self.utilization += UTILIZATION_EWMA_WEIGHT * (fraction - self.utilization)
-        self.busy_sample = (busy_seconds, now)
-
-    @property
-    def other_requests(self) -> int:
-        """Requests on the engine that this gateway did not count (other gateways'), as of the last poll."""
-        engine = self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0)
-        return max(0, engine - self.in_flight_at_poll)
 
 
 class RouteRequest(NamedTuple):
@@ -121,8 +76,8 @@ class Router(ABC):
 
     ``choose`` runs on the event loop and must not block; it may await (an index lookup). It gets a
     non-empty list of ready candidates and must return one of them. It must not mutate replicas:
-    the pool counts in-flight requests itself, right after ``choose`` returns. ``start`` runs once the
-    engines' model is known, ``close`` at shutdown.
+    the dispatcher counts in-flight requests itself, right after ``choose`` returns. The app's
+    lifespan calls ``start`` once the engines' model is known, ``close`` at shutdown.
     """
 
     policy: ClassVar[str]
@@ -216,9 +171,15 @@ def expected_queue(utilization: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
-    load_bound_tokens: int = 4096
-    lookup_timeout_s: float = 0.05
-    speculative_ttl_s: float = 10.0
+    """The prefix policy's settings; their defaults are the gateway config's."""
+
+    load_bound_tokens: int
+    lookup_timeout_s: float
+    speculative_ttl_s: float
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> PrefixSettings:
+        return cls(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
 
 
 class PrefixRouter(Router):
@@ -346,8 +307,7 @@ class PrefixRouter(Router):
 def make_router(config: GatewayConfig, metrics: GatewayMetrics) -> Router:
     """The router of ``config.routing``; raises ValueError for an unknown policy."""
     if config.routing == PrefixRouter.policy:
-        settings = PrefixSettings(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
-        return PrefixRouter(config.index_url, settings, metrics)
+        return PrefixRouter(config.index_url, PrefixSettings.from_config(config), metrics)
     routers = {cls.policy: cls for cls in (LeastLoadRouter, RoundRobinRouter)}
     if config.routing not in routers:
         raise ValueError(f"unknown routing policy {config.routing!r}; choose one of prefix, {', '.join(routers)}")
