@@ -182,16 +182,95 @@ class PrefixSettings:
         return cls(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
 
 
+class GuardedIndex:
+    """The prefix index as a hint: a call that fails or is too slow answers None, never an error.
+
+    Each call is bounded by ``timeout_s``. An unavailable index (an error, or
+    ``TIMEOUTS_BEFORE_BACKOFF`` timeouts in a row) is logged once per change of state and not asked
+    again for ``INDEX_RETRY_S``. Speculative inserts run in the background. Event loop only.
+    """
+
+    def __init__(self, index: PrefixIndex, url: str, timeout_s: float, metrics: GatewayMetrics):
+        self._index = index
+        self._url = url
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._ok: bool | None = None  # None until the first answer
+        self._retry_at = 0.0
+        self._timeouts = 0
+        self._background: set[asyncio.Task] = set()
+
+    async def connect(self) -> None:
+        """Connect now, and log whether the index answers."""
+        try:
+            await asyncio.wait_for(self._index.lookup([]), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            self._down(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
+        except IndexUnavailableError as exc:
+            self._down(str(exc))
+        else:
+            self._up()
+
+    async def lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
+        """Matched blocks per live replica id, or None without an answer in time."""
+        if time.monotonic() < self._retry_at:
+            return None
+        start = time.perf_counter()
+        matched = await self._guarded(self._index.lookup(hashes))
+        if matched is not None:
+            self._metrics.index_lookup.observe(time.perf_counter() - start)
+        return matched
+
+    def insert_speculative(self, replica_id: str, hashes: list[BlockHash], ttl_s: float) -> None:
+        """Start the insert in the background."""
+        task = asyncio.ensure_future(self._guarded(self._index.insert_speculative(replica_id, hashes, ttl_s)))
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._background)  # each bounded by the timeout
+        await self._index.close()
+
+    async def _guarded(self, call: Awaitable[Any]) -> Any | None:
+        """The call's result, or None when the index failed or was too slow (its state updated)."""
+        try:
+            result = await asyncio.wait_for(call, self._timeout_s)
+        except TimeoutError:
+            self._timeouts += 1
+            if self._timeouts >= TIMEOUTS_BEFORE_BACKOFF:
+                self._down(f"no answer within {self._timeout_s * 1e3:.0f} ms, {self._timeouts} times in a row")
+            return None
+        except IndexUnavailableError as exc:
+            self._down(str(exc))
+            return None
+        self._up()
+        return result
+
+    def _up(self) -> None:
+        self._timeouts = 0
+        if not self._ok:
+            log.info("prefix_index_available", index_url=self._url)
+            self._ok = True
+            self._metrics.index_available.set(1)
+
+    def _down(self, error: str) -> None:
+        self._retry_at = time.monotonic() + INDEX_RETRY_S
+        if self._ok is not False:
+            log.warning("prefix_index_unavailable", index_url=self._url, error=error,
+                        routing="by load until it answers again")
+            self._ok = False
+            self._metrics.index_available.set(0)
+
+
 class PrefixRouter(Router):
     """Prefix-cache-aware routing over the shared index (see the module docstring).
 
-    Cache information comes from one :meth:`PrefixIndex.lookup` per request, bounded by
-    ``lookup_timeout_s``; a failure or timeout routes that request by load. An unavailable index (an
-    error, or ``TIMEOUTS_BEFORE_BACKOFF`` timeouts in a row) is logged once per change of state and
-    not asked again for ``INDEX_RETRY_S``. After each choice the prompt's blocks are
-    inserted as speculative entries of the chosen replica (``speculative_ttl_s``, in the background),
-    so that concurrent requests with the same prefix, from any gateway, follow before the engine's
-    own events arrive. Index replica ids map to replicas through each engine's /stats ``replica_id``.
+    Cache information comes from one :meth:`PrefixIndex.lookup` per request through a
+    :class:`GuardedIndex` (``lookup_timeout_s``); without an answer the request is routed by load.
+    After each choice the prompt's blocks are inserted as speculative entries of the chosen replica
+    (``speculative_ttl_s``, in the background), so that concurrent requests with the same prefix,
+    from any gateway, follow before the engine's own events arrive. Index replica ids map to
+    replicas through each engine's /stats ``replica_id``.
     """
 
     policy = "prefix"
@@ -200,34 +279,23 @@ class PrefixRouter(Router):
         self._index_url = index_url
         self._settings = settings
         self._metrics = metrics
-        self._index: PrefixIndex | None = None
+        self._index: GuardedIndex | None = None
         self._block_size = 0
         self._turn = itertools.count()
         self._mean_uncached = 0.0  # running mean of the uncached prompt tokens of routed requests
         self._seen_requests = False
-        self._index_ok: bool | None = None  # None until the first answer
-        self._retry_at = 0.0
-        self._timeouts = 0
-        self._background: set[asyncio.Task] = set()
 
     async def start(self, model: str, block_size: int) -> None:
-        self._index = open_index(self._index_url, model, block_size)
+        index = open_index(self._index_url, model, block_size)
+        self._index = GuardedIndex(index, self._index_url, self._settings.lookup_timeout_s, self._metrics)
         self._block_size = block_size
         if urlsplit(self._index_url).scheme == "memory":
             log.warning("prefix_index_local", index_url=self._index_url,
                         reason="engines in other processes cannot publish to a memory:// index, so prefix "
                                "routing routes by load; give gateway and engines a shared --index-url redis://")
-        try:  # connect now, and log whether the index answers
-            await asyncio.wait_for(self._index.lookup([]), CONNECT_TIMEOUT_S)
-        except TimeoutError:
-            self._index_down(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
-        except IndexUnavailableError as exc:
-            self._index_down(str(exc))
-        else:
-            self._index_up()
+        await self._index.connect()
 
     async def close(self) -> None:
-        await asyncio.gather(*self._background)  # each bounded by the lookup timeout
         if self._index is not None:
             await self._index.close()
 
@@ -236,7 +304,7 @@ class PrefixRouter(Router):
         rotated = _rotated(candidates, next(self._turn))
         num_tokens = len(request.prompt_ids)
         hashes = block_hashes(request.prompt_ids, self._block_size, request.salt)  # as the engine does
-        matched = await self._lookup(hashes) if hashes else {}
+        matched = await self._index.lookup(hashes) if hashes else {}
         scored = []
         for r in rotated:
             blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
@@ -253,55 +321,8 @@ class PrefixRouter(Router):
             return RouteDecision(chosen, NO_INDEX)
         self._metrics.matched_blocks.observe(score.cached_tokens // self._block_size)
         if hashes and chosen.replica_id is not None:
-            self._in_background(self._index.insert_speculative(chosen.replica_id, hashes,
-                                                               self._settings.speculative_ttl_s))
+            self._index.insert_speculative(chosen.replica_id, hashes, self._settings.speculative_ttl_s)
         return RouteDecision(chosen, reason, score.cached_tokens)
-
-    async def _lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
-        """Matched blocks per live replica id, or None without an answer in time."""
-        if time.monotonic() < self._retry_at:
-            return None
-        start = time.perf_counter()
-        matched = await self._guarded(self._index.lookup(hashes))
-        if matched is not None:
-            self._metrics.index_lookup.observe(time.perf_counter() - start)
-        return matched
-
-    async def _guarded(self, call: Awaitable[Any]) -> Any | None:
-        """The call's result, or None when the index failed or was too slow (its state updated)."""
-        timeout_s = self._settings.lookup_timeout_s
-        try:
-            result = await asyncio.wait_for(call, timeout_s)
-        except TimeoutError:
-            self._timeouts += 1
-            if self._timeouts >= TIMEOUTS_BEFORE_BACKOFF:
-                self._index_down(f"no answer within {timeout_s * 1e3:.0f} ms, {self._timeouts} times in a row")
-            return None
-        except IndexUnavailableError as exc:
-            self._index_down(str(exc))
-            return None
-        self._index_up()
-        return result
-
-    def _index_up(self) -> None:
-        self._timeouts = 0
-        if not self._index_ok:
-            log.info("prefix_index_available", index_url=self._index_url)
-            self._index_ok = True
-            self._metrics.index_available.set(1)
-
-    def _index_down(self, error: str) -> None:
-        self._retry_at = time.monotonic() + INDEX_RETRY_S
-        if self._index_ok is not False:
-            log.warning("prefix_index_unavailable", index_url=self._index_url, error=error,
-                        routing="by load until it answers again")
-            self._index_ok = False
-            self._metrics.index_available.set(0)
-
-    def _in_background(self, call: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(self._guarded(call))
-        self._background.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._background.discard)
 
 
 def make_router(config: GatewayConfig, metrics: GatewayMetrics) -> Router:

@@ -250,7 +250,7 @@ async def test_index_down_routes_by_load_logs_once_and_backs_off(flaky):
     assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
     assert sample(metrics.index_available) == 0
     flaky.down = False
-    router._retry_at = 0.0  # as if INDEX_RETRY_S had passed
+    router._index._retry_at = 0.0  # as if INDEX_RETRY_S had passed
     with capture_logs() as logs:
         decisions = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(3)]
     assert {d.reason for d in decisions} == {"prefix_miss"} and flaky.lookups == 5
