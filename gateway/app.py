@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -91,10 +92,8 @@ def middleware_stack(app: ASGIApp, config: GatewayConfig, metrics: GatewayMetric
     return stack
 
 
-def create_app(config: GatewayConfig) -> ASGIApp:
-    metrics = GatewayMetrics()
-    openapi = openapi_schema()
-    started = int(time.time())
+def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starlette], AbstractAsyncContextManager]:
+    """The lifespan that starts and stops every client; its state (``request.state``) holds what handlers use."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -126,7 +125,8 @@ def create_app(config: GatewayConfig) -> ASGIApp:
                      tenant_isolation=not config.shared_prefix_cache)
             if not config.api_keys:
                 log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")
-            yield {"serving": serving, "pool": pool}
+            yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(),
+                   "started": int(time.time())}
         finally:
             if health is not None:
                 health.cancel()
@@ -136,35 +136,47 @@ def create_app(config: GatewayConfig) -> ASGIApp:
             if procs is not None:
                 await procs.stop()
 
-    async def chat(request: Request) -> Response:
-        return await request.state.serving.chat(request)
+    return lifespan
 
-    async def completions(request: Request) -> Response:
-        return await request.state.serving.completions(request)
 
-    async def models(request: Request) -> Response:
-        serving: Serving = request.state.serving
-        return JSONResponse({"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": started, "owned_by": "kvgate",
-            "max_model_len": serving.model.limits.max_model_len,
-        }]})
+async def chat(request: Request) -> Response:
+    return await request.state.serving.chat(request)
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
 
-    async def ready(request: Request) -> Response:
-        pool: EnginePool = request.state.pool
-        replicas = {r.url: "ready" if r.ready else r.error for r in pool.replicas}
-        ok = bool(pool.ready_replicas())
-        return JSONResponse({"status": "ready" if ok else "not_ready", "replicas": replicas}, 200 if ok else 503)
+async def completions(request: Request) -> Response:
+    return await request.state.serving.completions(request)
 
-    async def prometheus(request: Request) -> Response:
-        request.state.pool.export_metrics()
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def openapi_json(request: Request) -> Response:
-        return JSONResponse(openapi)
+async def models(request: Request) -> Response:
+    serving: Serving = request.state.serving
+    return JSONResponse({"object": "list", "data": [{
+        "id": serving.model_name, "object": "model", "created": request.state.started, "owned_by": "kvgate",
+        "max_model_len": serving.model.limits.max_model_len,
+    }]})
 
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    pool: EnginePool = request.state.pool
+    replicas = {r.url: "ready" if r.ready else r.error for r in pool.replicas}
+    ok = bool(pool.ready_replicas())
+    return JSONResponse({"status": "ready" if ok else "not_ready", "replicas": replicas}, 200 if ok else 503)
+
+
+async def prometheus(request: Request) -> Response:
+    request.state.pool.export_metrics()
+    return Response(request.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(request.state.openapi)
+
+
+def create_app(config: GatewayConfig) -> ASGIApp:
+    metrics = GatewayMetrics()
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -176,6 +188,6 @@ def create_app(config: GatewayConfig) -> ASGIApp:
             Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=lifespan,
+        lifespan=_lifespan(config, metrics),
     )
     return middleware_stack(app, config, metrics)
