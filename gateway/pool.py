@@ -28,6 +28,9 @@ _BREAKER_GAUGE = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 0.5, Breaker
 
 
 class EnginePool:
+    """This gateway's replicas: polls their /stats, keeps their readiness and breakers, exports their gauges.
+    Event loop only."""
+
     def __init__(self, urls: Sequence[str], transport: httpx.AsyncBaseTransport,
                  metrics: GatewayMetrics | None = None, stats_timeout: float = 2.0,
                  breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
