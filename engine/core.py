@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
-from engine.protocol import GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
+from engine.protocol import EngineStats, GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
 from engine.request import Sequence, Status
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
 from prefix_index.events import KVEvent
@@ -247,27 +247,24 @@ class EngineCore:
         """Every cached block's (hash, parent); thread-safe (the KV event publisher calls it)."""
         return self.kv.snapshot()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         kv = self.kv
-        return {
-            "model": self.config.served_name,
-            "replica_id": self.config.replica_id,
-            "block_size": kv.block_size,
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.model_config.vocab_size,
-            "eos_token_ids": sorted(self.scheduler.eos_token_ids),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": self.scheduler.num_waiting,
-            "num_requests": len(self.requests),
-            "num_free_blocks": kv.num_free_blocks,
-            "num_total_blocks": kv.num_blocks,
-            "kv_usage": round(kv.usage, 4),
-            "prefix_hit_rate": round(kv.prefix_hit_rate, 4),
-            "cache_alignment": 1,  # cache boundaries may fall on any token: no rounding needed
-            "num_partial_entries": len(kv.entries),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "prefill_pack_tokens": self.scheduler.prefill_pack_tokens,
-            "max_num_seqs": self.config.max_num_seqs,
-            **{f"total_{name}": getattr(self.counters, name) for name in EngineCounters.__dataclass_fields__},
-        }
+        return EngineStats(
+            model=self.config.served_name,
+            replica_id=self.config.replica_id,
+            block_size=kv.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            kv_usage=round(kv.usage, 4),
+            prefix_hit_rate=round(kv.prefix_hit_rate, 4),
+            num_position_entries=len(kv.entries),
+            num_preemptions=self.scheduler.num_preemptions,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            prefill_pack_tokens=self.scheduler.prefill_pack_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            total_busy_seconds=self.counters.busy_seconds,
+        )

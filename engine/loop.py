@@ -20,7 +20,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.metrics import Metrics
-from engine.protocol import GenerateRequest, OutputFrame, ProtocolError
+from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError
 from engine.warmup import warmup
 
 log = structlog.get_logger("engine.loop")
@@ -65,7 +65,7 @@ class EngineLoop:
         self.core: EngineCore | None = None
         self.ready = threading.Event()
         self.failed: BaseException | None = None
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: EngineStats | None = None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._deliver: Callable[[list[OutputFrame]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,7 +115,7 @@ class EngineLoop:
             )
             self._publisher.start()
         self.snapshot = core.stats()
-        log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot)
+        log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot.to_wire())
         self.ready.set()
         return core
 

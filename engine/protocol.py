@@ -3,7 +3,8 @@
 POST /generate takes one msgpack map (:class:`GenerateRequest`) and answers with a stream of
 msgpack maps (:class:`OutputFrame`), one per step that produced something, concatenated (msgpack
 is self-delimiting; read them with ``msgpack.Unpacker``). Frames carry deltas, never whole
-sequences. The last frame of each sequence (``index``) has a ``finish_reason``.
+sequences. The last frame of each sequence (``index``) has a ``finish_reason``. GET /stats answers
+one JSON map (:class:`EngineStats`).
 
 Validation lives here so that the server, the offline mode and the gateway reject the same inputs
 with the same messages. So does the vocabulary the gateway shares with ``python -m engine``: the
@@ -156,6 +157,54 @@ class ModelLimits:
     max_model_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """GET /stats: what the engine serves and how loaded it is (a snapshot, refreshed while it works).
+
+    The gateway reads the model shape and ``replica_id`` to admit a replica, and the queue lengths and
+    ``total_busy_seconds`` (a counter) to route; the rest is for operators."""
+
+    model: str
+    replica_id: str  # its id in the prefix index
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    num_running: int  # sequences
+    num_waiting: int  # sequences queued, held n > 1 siblings included
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float  # fraction of KV blocks in use or unavailable
+    prefix_hit_rate: float
+    num_position_entries: int  # exact-position entries held
+    num_preemptions: int
+    max_num_batched_tokens: int
+    prefill_pack_tokens: int
+    max_num_seqs: int
+    total_busy_seconds: float  # time spent in engine steps since start
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _STATS_FIELDS}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> EngineStats:
+        """Parse a /stats body; raises :class:`ProtocolError` naming the first missing or mistyped field.
+        Fields it does not know are ignored: a newer engine may report more."""
+        if not isinstance(wire, dict):
+            raise ProtocolError(f"stats must be a map, got {type(wire).__name__}")
+        values = {}
+        for name, check in _STATS_FIELDS.items():
+            if name not in wire:
+                raise ProtocolError(f"stats field {name!r} is missing", name)
+            values[name] = check(wire[name], name)
+        return cls(**values)
+
+
+def _check_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{name} must be a string, got {type(value).__name__}", name)
+    return value
+
+
 def _check_int(value: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{name} must be an integer, got {type(value).__name__}", name)
@@ -192,6 +241,8 @@ def _check_token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
     return value
 
 
+_STATS_FIELDS = {f.name: {"str": _check_str, "int": _check_int, "float": _check_float}[f.type]
+                 for f in dataclasses.fields(EngineStats)}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 

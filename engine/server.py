@@ -165,7 +165,7 @@ class Sidecar:
         return self._not_ready() or JSONResponse({"status": "ready"})
 
     async def stats(self, request: Request) -> Response:
-        return self._not_ready() or JSONResponse(self.engine.snapshot)
+        return self._not_ready() or JSONResponse(self.engine.snapshot.to_wire())
 
     async def integrity(self, request: Request) -> Response:
         if (resp := self._not_ready()) is not None:
@@ -179,10 +179,10 @@ class Sidecar:
 
     async def prometheus(self, request: Request) -> Response:
         snap = self.engine.snapshot
-        if snap:
-            self.metrics.running.set(snap["num_running"])
-            self.metrics.waiting.set(snap["num_waiting"])
-            self.metrics.kv_usage.set(snap["kv_usage"])
+        if snap is not None:
+            self.metrics.running.set(snap.num_running)
+            self.metrics.waiting.set(snap.num_waiting)
+            self.metrics.kv_usage.set(snap.kv_usage)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from starlette.types import ASGIApp
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AuthMiddleware, RequestContextMiddleware
@@ -89,79 +92,91 @@ def middleware_stack(app: ASGIApp, config: GatewayConfig, metrics: GatewayMetric
     return stack
 
 
-def create_app(config: GatewayConfig) -> ASGIApp:
-    metrics = GatewayMetrics()
-    openapi = openapi_schema()
-    started = int(time.time())
+def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starlette], AbstractAsyncContextManager]:
+    """The lifespan that starts and stops every client; its state (``request.state``) holds what handlers use."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         procs = EngineProcesses(config.spawn) if config.spawn is not None else None
         # One connection pool for all engines; --max-in-flight bounds the connections, and kept-alive
         # ones spare the hot path a TCP handshake.
         transport = httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=min(config.max_in_flight, 256)))
+        router = make_router(config, metrics)  # started once the engines' model is known
         health: asyncio.Task | None = None
-        pool: EnginePool | None = None
+        router_started = False
         try:
             urls = list(config.engines) if procs is None else await procs.start()
             hf = await asyncio.to_thread(load_hf_tokenizer, config.tokenizer, config.cache_dir)
             tokenizer = Tokenizer(hf)
-            pool = EnginePool(urls, transport, make_router(config, metrics), metrics)
+            pool = EnginePool(urls, transport, metrics)
             model = await pool.wait_ready(config.engine_startup_timeout, require_all=procs is not None,
                                           check_alive=procs.check_alive if procs is not None else lambda: None)
             if tokenizer.vocab_size > model.limits.vocab_size:
                 raise RuntimeError(f"the tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens but the "
                                    f"engines' model only {model.limits.vocab_size}: wrong --tokenizer?")
-            name = config.served_model_name or model.name
-            app.state.serving = Serving(config, tokenizer, pool, model, name, metrics)
-            app.state.pool = pool
-            app.state.model_name = name
+            await router.start(model.name, model.block_size)
+            router_started = True
+            name = model.name  # the engines own the served name (spawned ones were given --served-model-name)
+            serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics)
             health = asyncio.create_task(pool.run_health_checks(config.health_interval))
             log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
                      routing=config.routing, auth=bool(config.api_keys),
                      tenant_isolation=not config.shared_prefix_cache)
             if not config.api_keys:
                 log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")
-            yield
+            yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(),
+                   "started": int(time.time())}
         finally:
             if health is not None:
                 health.cancel()
-            if pool is not None:
-                await pool.close()
+            if router_started:
+                await router.close()
             await transport.aclose()
             if procs is not None:
                 await procs.stop()
 
-    async def chat(request: Request) -> Response:
-        return await request.app.state.serving.chat(request)
+    return lifespan
 
-    async def completions(request: Request) -> Response:
-        return await request.app.state.serving.completions(request)
 
-    async def models(request: Request) -> Response:
-        serving: Serving = request.app.state.serving
-        return JSONResponse({"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": started, "owned_by": "kvgate",
-            "max_model_len": serving.model.limits.max_model_len,
-        }]})
+async def chat(request: Request) -> Response:
+    return await request.state.serving.chat(request)
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
 
-    async def ready(request: Request) -> Response:
-        pool: EnginePool = request.app.state.pool
-        replicas = {r.url: "ready" if r.ready else r.error for r in pool.replicas}
-        ok = bool(pool.ready_replicas())
-        return JSONResponse({"status": "ready" if ok else "not_ready", "replicas": replicas}, 200 if ok else 503)
+async def completions(request: Request) -> Response:
+    return await request.state.serving.completions(request)
 
-    async def prometheus(request: Request) -> Response:
-        request.app.state.pool.export_metrics()
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def openapi_json(request: Request) -> Response:
-        return JSONResponse(openapi)
+async def models(request: Request) -> Response:
+    serving: Serving = request.state.serving
+    return JSONResponse({"object": "list", "data": [{
+        "id": serving.model_name, "object": "model", "created": request.state.started, "owned_by": "kvgate",
+        "max_model_len": serving.model.limits.max_model_len,
+    }]})
 
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    pool: EnginePool = request.state.pool
+    replicas = {r.url: "ready" if r.ready else r.error for r in pool.replicas}
+    ok = bool(pool.ready_replicas())
+    return JSONResponse({"status": "ready" if ok else "not_ready", "replicas": replicas}, 200 if ok else 503)
+
+
+async def prometheus(request: Request) -> Response:
+    request.state.pool.export_metrics()
+    return Response(request.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(request.state.openapi)
+
+
+def create_app(config: GatewayConfig) -> ASGIApp:
+    metrics = GatewayMetrics()
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -173,6 +188,6 @@ def create_app(config: GatewayConfig) -> ASGIApp:
             Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=lifespan,
+        lifespan=_lifespan(config, metrics),
     )
     return middleware_stack(app, config, metrics)

@@ -1,4 +1,4 @@
-"""HTTP client of one engine sidecar: /generate as a stream of msgpack frames, /stats.
+"""HTTP client of one engine sidecar: /generate as a stream of msgpack frames, /stats as EngineStats.
 
 Closing an :class:`EngineStream` before its end closes the connection, which aborts the engine
 request (the sidecar's contract).
@@ -13,11 +13,16 @@ import anyio
 import httpx
 import msgpack
 
-from engine.protocol import MSGPACK, GenerateRequest, OutputFrame
+from engine.protocol import MSGPACK, EngineStats, GenerateRequest, OutputFrame
 
 
 class EngineUnavailable(Exception):
     """The replica could not take the request (down, loading, overloaded); another one may."""
+
+    @property
+    def refused(self) -> bool:
+        """The connection was refused: nothing listens on the replica's port."""
+        return isinstance(self.__cause__, httpx.ConnectError)
 
 
 class EngineRejected(Exception):
@@ -90,8 +95,9 @@ class EngineClient:
             raise EngineRejected(error.get("message", "engine rejected the request"), error.get("param"))
         raise EngineUnavailable(f"engine {self.url} answered {response.status_code}: {error.get('message', '')}")
 
-    async def stats(self, timeout: float) -> dict:
-        """GET /stats; raises EngineUnavailable unless the engine is ready."""
+    async def stats(self, timeout: float) -> EngineStats:
+        """GET /stats; raises EngineUnavailable unless the engine is ready, ValueError (a ProtocolError
+        naming the field) for a body that is not its /stats."""
         req = httpx.Request("GET", self._stats_url, extensions={"timeout": dict.fromkeys(
             ("connect", "read", "write", "pool"), timeout)})
         try:
@@ -105,7 +111,7 @@ class EngineClient:
         if response.status_code != 200:
             raise EngineUnavailable(
                 f"engine {self.url} not ready ({response.status_code}): {_error_of(body).get('message', '')}")
-        return json.loads(body)
+        return EngineStats.from_wire(json.loads(body))
 
 
 def _error_of(body: bytes) -> dict:

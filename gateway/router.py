@@ -24,21 +24,19 @@ import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 import structlog
 
-from gateway.health import CircuitBreaker
+from gateway.replica import Replica
 from prefix_index.hashing import BlockHash, block_hashes
 from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.engine_client import EngineClient
     from gateway.metrics import GatewayMetrics
-    from gateway.pool import RoutedStream
 
 log = structlog.get_logger("gateway.router")
 
@@ -59,50 +57,7 @@ TIMEOUTS_BEFORE_BACKOFF = 3
 # A cold client connects and loads its Lua scripts on first use: slower than a request may wait.
 CONNECT_TIMEOUT_S = 5.0
 LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
-UTILIZATION_EWMA_WEIGHT = 0.3  # of the latest poll interval in a replica's utilization (1 s polls: ~3 s)
 MAX_UTILIZATION = 0.95  # caps the expected queue at 19 requests
-
-
-@dataclass(slots=True, eq=False)
-class Replica:
-    """One engine sidecar as this gateway sees it. Mutated only on the event loop, by the pool."""
-
-    url: str
-    client: EngineClient
-    ready: bool = False  # routable: its engine answers ready and its circuit breaker is closed
-    pending_prefill_tokens: int = 0  # predicted uncached prompt tokens of those without a first token yet
-    stats: dict[str, Any] = field(default_factory=dict)  # its last /stats
-    in_flight_at_poll: int = 0  # in_flight when ``stats`` was taken
-    replica_id: str | None = None  # its id in the prefix index (from /stats)
-    utilization: float = 0.0  # busy fraction of its engine loop, smoothed over polls
-    busy_sample: tuple[float, float] | None = None  # (engine's total_busy_seconds, monotonic time) at the last poll
-    engine_ready: bool = False  # its last /stats answered 200 with the pool's model
-    error: str | None = None  # why it is not ready
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    streams: set[RoutedStream] = field(default_factory=set)  # this gateway's engine requests on it
-
-    @property
-    def in_flight(self) -> int:
-        """This gateway's engine requests on it."""
-        return len(self.streams)
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting in the engine's queue, as of the last poll."""
-        return self.stats.get("num_waiting", 0)
-
-    def observe_busy(self, busy_seconds: float, now: float) -> None:
-        """A poll's ``total_busy_seconds`` counter at time ``now``: updates ``utilization``."""
-        if self.busy_sample is not None and now > self.busy_sample[1] and busy_seconds >= self.busy_sample[0]:
-            fraction = min(1.0, (busy_seconds - self.busy_sample[0]) / (now - self.busy_sample[1]))
-            self.utilization += UTILIZATION_EWMA_WEIGHT * (fraction - self.utilization)
-        self.busy_sample = (busy_seconds, now)
-
-    @property
-    def other_requests(self) -> int:
-        """Requests on the engine that this gateway did not count (other gateways'), as of the last poll."""
-        engine = self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0)
-        return max(0, engine - self.in_flight_at_poll)
 
 
 class RouteRequest(NamedTuple):
@@ -121,8 +76,8 @@ class Router(ABC):
 
     ``choose`` runs on the event loop and must not block; it may await (an index lookup). It gets a
     non-empty list of ready candidates and must return one of them. It must not mutate replicas:
-    the pool counts in-flight requests itself, right after ``choose`` returns. ``start`` runs once the
-    engines' model is known, ``close`` at shutdown.
+    the dispatcher counts in-flight requests itself, right after ``choose`` returns. The app's
+    lifespan calls ``start`` once the engines' model is known, ``close`` at shutdown.
     """
 
     policy: ClassVar[str]
@@ -216,21 +171,106 @@ def expected_queue(utilization: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
-    load_bound_tokens: int = 4096
-    lookup_timeout_s: float = 0.05
-    speculative_ttl_s: float = 10.0
+    """The prefix policy's settings; their defaults are the gateway config's."""
+
+    load_bound_tokens: int
+    lookup_timeout_s: float
+    speculative_ttl_s: float
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> PrefixSettings:
+        return cls(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
+
+
+class GuardedIndex:
+    """The prefix index as a hint: a call that fails or is too slow answers None, never an error.
+
+    Each call is bounded by ``timeout_s``. An unavailable index (an error, or
+    ``TIMEOUTS_BEFORE_BACKOFF`` timeouts in a row) is logged once per change of state and not asked
+    again for ``INDEX_RETRY_S``. Speculative inserts run in the background. Event loop only.
+    """
+
+    def __init__(self, index: PrefixIndex, url: str, timeout_s: float, metrics: GatewayMetrics):
+        self._index = index
+        self._url = url
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._ok: bool | None = None  # None until the first answer
+        self._retry_at = 0.0
+        self._timeouts = 0
+        self._background: set[asyncio.Task] = set()
+
+    async def connect(self) -> None:
+        """Connect now, and log whether the index answers."""
+        try:
+            await asyncio.wait_for(self._index.lookup([]), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            self._down(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
+        except IndexUnavailableError as exc:
+            self._down(str(exc))
+        else:
+            self._up()
+
+    async def lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
+        """Matched blocks per live replica id, or None without an answer in time."""
+        if time.monotonic() < self._retry_at:
+            return None
+        start = time.perf_counter()
+        matched = await self._guarded(self._index.lookup(hashes))
+        if matched is not None:
+            self._metrics.index_lookup.observe(time.perf_counter() - start)
+        return matched
+
+    def insert_speculative(self, replica_id: str, hashes: list[BlockHash], ttl_s: float) -> None:
+        """Start the insert in the background."""
+        task = asyncio.ensure_future(self._guarded(self._index.insert_speculative(replica_id, hashes, ttl_s)))
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._background)  # each bounded by the timeout
+        await self._index.close()
+
+    async def _guarded(self, call: Awaitable[Any]) -> Any | None:
+        """The call's result, or None when the index failed or was too slow (its state updated)."""
+        try:
+            result = await asyncio.wait_for(call, self._timeout_s)
+        except TimeoutError:
+            self._timeouts += 1
+            if self._timeouts >= TIMEOUTS_BEFORE_BACKOFF:
+                self._down(f"no answer within {self._timeout_s * 1e3:.0f} ms, {self._timeouts} times in a row")
+            return None
+        except IndexUnavailableError as exc:
+            self._down(str(exc))
+            return None
+        self._up()
+        return result
+
+    def _up(self) -> None:
+        self._timeouts = 0
+        if not self._ok:
+            log.info("prefix_index_available", index_url=self._url)
+            self._ok = True
+            self._metrics.index_available.set(1)
+
+    def _down(self, error: str) -> None:
+        self._retry_at = time.monotonic() + INDEX_RETRY_S
+        if self._ok is not False:
+            log.warning("prefix_index_unavailable", index_url=self._url, error=error,
+                        routing="by load until it answers again")
+            self._ok = False
+            self._metrics.index_available.set(0)
 
 
 class PrefixRouter(Router):
     """Prefix-cache-aware routing over the shared index (see the module docstring).
 
-    Cache information comes from one :meth:`PrefixIndex.lookup` per request, bounded by
-    ``lookup_timeout_s``; a failure or timeout routes that request by load. An unavailable index (an
-    error, or ``TIMEOUTS_BEFORE_BACKOFF`` timeouts in a row) is logged once per change of state and
-    not asked again for ``INDEX_RETRY_S``. After each choice the prompt's blocks are
-    inserted as speculative entries of the chosen replica (``speculative_ttl_s``, in the background),
-    so that concurrent requests with the same prefix, from any gateway, follow before the engine's
-    own events arrive. Index replica ids map to replicas through each engine's /stats ``replica_id``.
+    Cache information comes from one :meth:`PrefixIndex.lookup` per request through a
+    :class:`GuardedIndex` (``lookup_timeout_s``); without an answer the request is routed by load.
+    After each choice the prompt's blocks are inserted as speculative entries of the chosen replica
+    (``speculative_ttl_s``, in the background), so that concurrent requests with the same prefix,
+    from any gateway, follow before the engine's own events arrive. Index replica ids map to
+    replicas through each engine's /stats ``replica_id``.
     """
 
     policy = "prefix"
@@ -239,34 +279,23 @@ class PrefixRouter(Router):
         self._index_url = index_url
         self._settings = settings
         self._metrics = metrics
-        self._index: PrefixIndex | None = None
+        self._index: GuardedIndex | None = None
         self._block_size = 0
         self._turn = itertools.count()
         self._mean_uncached = 0.0  # running mean of the uncached prompt tokens of routed requests
         self._seen_requests = False
-        self._index_ok: bool | None = None  # None until the first answer
-        self._retry_at = 0.0
-        self._timeouts = 0
-        self._background: set[asyncio.Task] = set()
 
     async def start(self, model: str, block_size: int) -> None:
-        self._index = open_index(self._index_url, model, block_size)
+        index = open_index(self._index_url, model, block_size)
+        self._index = GuardedIndex(index, self._index_url, self._settings.lookup_timeout_s, self._metrics)
         self._block_size = block_size
         if urlsplit(self._index_url).scheme == "memory":
             log.warning("prefix_index_local", index_url=self._index_url,
                         reason="engines in other processes cannot publish to a memory:// index, so prefix "
                                "routing routes by load; give gateway and engines a shared --index-url redis://")
-        try:  # connect now, and log whether the index answers
-            await asyncio.wait_for(self._index.lookup([]), CONNECT_TIMEOUT_S)
-        except TimeoutError:
-            self._index_down(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
-        except IndexUnavailableError as exc:
-            self._index_down(str(exc))
-        else:
-            self._index_up()
+        await self._index.connect()
 
     async def close(self) -> None:
-        await asyncio.gather(*self._background)  # each bounded by the lookup timeout
         if self._index is not None:
             await self._index.close()
 
@@ -275,7 +304,7 @@ class PrefixRouter(Router):
         rotated = _rotated(candidates, next(self._turn))
         num_tokens = len(request.prompt_ids)
         hashes = block_hashes(request.prompt_ids, self._block_size, request.salt)  # as the engine does
-        matched = await self._lookup(hashes) if hashes else {}
+        matched = await self._index.lookup(hashes) if hashes else {}
         scored = []
         for r in rotated:
             blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
@@ -292,62 +321,14 @@ class PrefixRouter(Router):
             return RouteDecision(chosen, NO_INDEX)
         self._metrics.matched_blocks.observe(score.cached_tokens // self._block_size)
         if hashes and chosen.replica_id is not None:
-            self._in_background(self._index.insert_speculative(chosen.replica_id, hashes,
-                                                               self._settings.speculative_ttl_s))
+            self._index.insert_speculative(chosen.replica_id, hashes, self._settings.speculative_ttl_s)
         return RouteDecision(chosen, reason, score.cached_tokens)
-
-    async def _lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
-        """Matched blocks per live replica id, or None without an answer in time."""
-        if time.monotonic() < self._retry_at:
-            return None
-        start = time.perf_counter()
-        matched = await self._guarded(self._index.lookup(hashes))
-        if matched is not None:
-            self._metrics.index_lookup.observe(time.perf_counter() - start)
-        return matched
-
-    async def _guarded(self, call: Awaitable[Any]) -> Any | None:
-        """The call's result, or None when the index failed or was too slow (its state updated)."""
-        timeout_s = self._settings.lookup_timeout_s
-        try:
-            result = await asyncio.wait_for(call, timeout_s)
-        except TimeoutError:
-            self._timeouts += 1
-            if self._timeouts >= TIMEOUTS_BEFORE_BACKOFF:
-                self._index_down(f"no answer within {timeout_s * 1e3:.0f} ms, {self._timeouts} times in a row")
-            return None
-        except IndexUnavailableError as exc:
-            self._index_down(str(exc))
-            return None
-        self._index_up()
-        return result
-
-    def _index_up(self) -> None:
-        self._timeouts = 0
-        if not self._index_ok:
-            log.info("prefix_index_available", index_url=self._index_url)
-            self._index_ok = True
-            self._metrics.index_available.set(1)
-
-    def _index_down(self, error: str) -> None:
-        self._retry_at = time.monotonic() + INDEX_RETRY_S
-        if self._index_ok is not False:
-            log.warning("prefix_index_unavailable", index_url=self._index_url, error=error,
-                        routing="by load until it answers again")
-            self._index_ok = False
-            self._metrics.index_available.set(0)
-
-    def _in_background(self, call: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(self._guarded(call))
-        self._background.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._background.discard)
 
 
 def make_router(config: GatewayConfig, metrics: GatewayMetrics) -> Router:
     """The router of ``config.routing``; raises ValueError for an unknown policy."""
     if config.routing == PrefixRouter.policy:
-        settings = PrefixSettings(config.prefix_load_bound, config.index_lookup_timeout, config.speculative_ttl)
-        return PrefixRouter(config.index_url, settings, metrics)
+        return PrefixRouter(config.index_url, PrefixSettings.from_config(config), metrics)
     routers = {cls.policy: cls for cls in (LeastLoadRouter, RoundRobinRouter)}
     if config.routing not in routers:
         raise ValueError(f"unknown routing policy {config.routing!r}; choose one of prefix, {', '.join(routers)}")

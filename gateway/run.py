@@ -21,7 +21,7 @@ import anyio
 from engine.protocol import GenerateRequest, OutputFrame, TokenLogprob
 from gateway.detokenizer import SequenceText
 from gateway.engine_client import EngineFailed
-from gateway.pool import RoutedStream
+from gateway.dispatch import RoutedStream
 
 
 class Delta(NamedTuple):

@@ -23,11 +23,12 @@ from starlette.responses import Response
 from engine.protocol import GenerateRequest, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.detokenizer import SequenceText
+from gateway.dispatch import Dispatcher, NoReplicaAvailable, RoutedStream
 from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord
-from gateway.pool import EnginePool, ModelInfo, NoReplicaAvailable
+from gateway.replica import ModelInfo
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
 from gateway.run import Choice, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
@@ -59,11 +60,11 @@ class Endpoint(Generic[_Req]):
 class Serving:
     """Handlers for /v1/chat/completions and /v1/completions. Owns no clients: the app's lifespan does."""
 
-    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, pool: EnginePool, model: ModelInfo,
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher, model: ModelInfo,
                  model_name: str, metrics: GatewayMetrics):
         self.config = config
         self.tokenizer = tokenizer
-        self.pool = pool
+        self.dispatcher = dispatcher
         self.model = model
         self.model_name = model_name
         self.metrics = metrics
@@ -117,7 +118,7 @@ class Serving:
         if self.in_flight >= self.config.max_in_flight:
             raise overloaded(429, f"this gateway is serving its limit of {self.config.max_in_flight} requests; "
                                   "retry later", RETRY_AFTER_BUSY)
-        if not self.pool.ready_replicas():
+        if not self.dispatcher.pool.ready_replicas():
             raise overloaded(503, "no engine replica is ready; retry later", RETRY_AFTER_NO_ENGINE)
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -183,7 +184,7 @@ class Serving:
         """Open every job's engine stream (the pool fails over between replicas)."""
         for job in run.jobs:
             try:
-                job.stream = await self.pool.open(job.request)
+                job.stream = await self.dispatcher.open(job.request)
             except NoReplicaAvailable as exc:
                 raise overloaded(503, f"{exc}; retry later", RETRY_AFTER_NO_ENGINE) from None
             except EngineRejected as exc:

@@ -35,6 +35,7 @@ import psutil
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.protocol import EngineStats
 from gateway.spawn import free_port
 from loadtest import report
 from loadtest.stamp import stamp
@@ -240,8 +241,8 @@ def start_gateways(started: list[Service], args: argparse.Namespace, policy: str
     return gateways
 
 
-def engine_stats(engine: Service) -> dict:
-    return httpx.get(engine.url + "/stats", timeout=5).json()
+def engine_stats(engine: Service) -> EngineStats:
+    return EngineStats.from_wire(httpx.get(engine.url + "/stats", timeout=5).json())
 
 
 def replica_counters(engines: Sequence[Service]) -> list[dict]:
@@ -304,16 +305,16 @@ def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Seq
 
 
 def run_policy(args: argparse.Namespace, policy: str, model: str, workload: WorkloadConfig, redis_url: str,
-               flags: Sequence[str], out: Path) -> dict:
+               flags: Sequence[str], out: Path) -> EngineStats:
     """One policy on fresh engines and gateways; returns the engines' /stats (block size, context)."""
     out.mkdir(parents=True, exist_ok=True)
     with services() as started:
         t0 = time.monotonic()
         engines = start_engines(started, args, model, redis_url, out)
         stats = engine_stats(engines[0])
-        if workload.max_request_tokens() > stats["max_model_len"]:
+        if workload.max_request_tokens() > stats.max_model_len:
             raise RunnerError(f"the workload needs up to {workload.max_request_tokens()} tokens per request but the "
-                              f"engines' context is {stats['max_model_len']}: lower --turns, --system-tokens, "
+                              f"engines' context is {stats.max_model_len}: lower --turns, --system-tokens, "
                               "--user-tokens or --answer-tokens, or raise the engines' --max-model-len")
         gateways = start_gateways(started, args, policy, flags, engines, out)
         print(f"[{policy}] {len(engines)} engines and {len(gateways)} gateway(s) ready in "
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                     client.flushdb()  # no index entries of the previous policy's engines
                 stats = run_policy(args, policy, model, workload, redis_url,
                                    gateway_flags(args, tokenizer, redis_url), args.out / policy)
-                run["block_size"] = stats["block_size"]
-                run["max_model_len"] = stats["max_model_len"]
+                run["block_size"] = stats.block_size
+                run["max_model_len"] = stats.max_model_len
                 (args.out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     except RunnerError as exc:
         print(f"error: {exc}", file=sys.stderr)

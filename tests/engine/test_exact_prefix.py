@@ -160,8 +160,7 @@ def test_resumed_chats_match_cold_prefill_on_the_tiny_model(tiny_long, block_siz
     run_rounds(core, chats, rng, num_turns=4, user_len=(20, 200), max_tokens=(8, 40))
     check_cached_tokens(chats)
     assert any(turn["cached"] % block_size for chat in chats for turn in chat.turns)
-    stats = core.stats()
-    assert stats["cache_alignment"] == 1 and stats["num_partial_entries"] > 0
+    assert core.stats().num_position_entries > 0
     cold = cold_outputs(tiny_core(tiny_long, block_size=block_size, enable_prefix_caching=False), chats)
     assert_same_outputs(chats, cold)
 

@@ -5,36 +5,33 @@ mocked at the HTTP transport."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Sequence
 
 import httpx
 import pytest
+from stats_testing import engine_stats
 from structlog.testing import capture_logs
 
 from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+from gateway import replica as replica_module
 from gateway import router as router_module
+from gateway.config import GatewayConfig
+from gateway.dispatch import MAX_ATTEMPTS, Dispatcher, NoReplicaAvailable
 from gateway.engine_client import EngineFailed
 from gateway.health import BreakerState, CircuitBreaker
 from gateway.metrics import GatewayMetrics
-from gateway.pool import MAX_ATTEMPTS, EnginePool, NoReplicaAvailable
-from gateway.router import (
-    Candidate,
-    PrefixRouter,
-    PrefixSettings,
-    Replica,
-    RoundRobinRouter,
-    RouteRequest,
-    pick,
-)
+from gateway.pool import EnginePool
+from gateway.replica import Replica
+from gateway.router import Candidate, PrefixRouter, PrefixSettings, RoundRobinRouter, RouteRequest, pick
 from prefix_index.events import BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
 from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
 
 MODEL, BLOCK = "tiny", 16
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks
-STATS = {"model": MODEL, "block_size": BLOCK, "max_model_len": 1024, "vocab_size": 49152, "eos_token_ids": [2],
-         "num_running": 0, "num_waiting": 0}
+STATS = engine_stats(model=MODEL, block_size=BLOCK).to_wire()
 
 
 # --- the scoring rule ---
@@ -77,7 +74,9 @@ def sample(metric, suffix: str = "") -> float:
 
 
 def replica(name: str, replica_id: str | None = None, **fields) -> Replica:
-    return Replica(f"http://{name}", client=None, ready=True, replica_id=replica_id, **fields)
+    """A ready replica; one with an index id has an idle engine's /stats."""
+    stats = engine_stats(replica_id=replica_id) if replica_id is not None else None
+    return Replica(f"http://{name}", client=None, ready=True, stats=stats, **fields)
 
 
 async def live_index(url: str, held: dict[str, Sequence[bytes]]) -> PrefixIndex:
@@ -90,7 +89,8 @@ async def live_index(url: str, held: dict[str, Sequence[bytes]]) -> PrefixIndex:
 
 
 async def started_router(url: str, metrics: GatewayMetrics | None = None, **settings) -> PrefixRouter:
-    router = PrefixRouter(url, PrefixSettings(**settings), metrics or GatewayMetrics())
+    defaults = PrefixSettings.from_config(GatewayConfig())
+    router = PrefixRouter(url, dataclasses.replace(defaults, **settings), metrics or GatewayMetrics())
     await router.start(MODEL, BLOCK)
     return router
 
@@ -163,7 +163,7 @@ async def test_queued_prefill_and_other_gateways_requests_count_as_load(index_ur
     assert (await router.choose(RouteRequest(PROMPT, None), [busy, idle])).reason == "load_override"
     busy.pending_prefill_tokens = 0
     # another gateway's requests, seen in the engine's /stats, weigh the mean uncached prompt each
-    busy.stats = {"num_running": 2, "num_waiting": 2}
+    busy.stats = dataclasses.replace(busy.stats, num_running=2, num_waiting=2)
     assert busy.other_requests == 4
     decision = await router.choose(RouteRequest(PROMPT, None), [busy, idle])
     assert (decision.replica, decision.reason) == (idle, "load_override")
@@ -178,7 +178,7 @@ def test_utilization_follows_the_engines_busy_seconds():
     r.observe_busy(100.0, now=10.0)
     assert r.utilization == 0.0  # one sample is no rate
     r.observe_busy(101.0, now=11.0)  # busy the whole second
-    assert r.utilization == pytest.approx(router_module.UTILIZATION_EWMA_WEIGHT)
+    assert r.utilization == pytest.approx(replica_module.UTILIZATION_EWMA_WEIGHT)
     for t in range(12, 40):
         r.observe_busy(101.0 + (t - 11) * 0.5, now=float(t))  # half busy from now on
     assert r.utilization == pytest.approx(0.5, abs=1e-3)
@@ -250,7 +250,7 @@ async def test_index_down_routes_by_load_logs_once_and_backs_off(flaky):
     assert [x["event"] for x in logs] == ["prefix_index_unavailable"]
     assert sample(metrics.index_available) == 0
     flaky.down = False
-    router._retry_at = 0.0  # as if INDEX_RETRY_S had passed
+    router._index._retry_at = 0.0  # as if INDEX_RETRY_S had passed
     with capture_logs() as logs:
         decisions = [(await router.choose(RouteRequest(PROMPT, None), replicas)) for _ in range(3)]
     assert {d.reason for d in decisions} == {"prefix_miss"} and flaky.lookups == 5
@@ -374,12 +374,12 @@ class Engines:
 REQUEST = GenerateRequest("r", list(range(40)), SamplingParams(max_tokens=2))
 
 
-async def ready_pool(engines: Engines, breaker=CircuitBreaker) -> tuple[EnginePool, httpx.MockTransport]:
+async def ready_pool(engines: Engines, breaker=CircuitBreaker) -> tuple[EnginePool, Dispatcher, httpx.MockTransport]:
     transport = httpx.MockTransport(engines.handler)
-    pool = EnginePool([f"http://{h}:1" for h in engines.stats], transport, RoundRobinRouter(), GatewayMetrics(),
-                      breaker=breaker)
+    metrics = GatewayMetrics()
+    pool = EnginePool([f"http://{h}:1" for h in engines.stats], transport, metrics, breaker=breaker)
     await pool.wait_ready(timeout=5, require_all=True)
-    return pool, transport
+    return pool, Dispatcher(pool, RoundRobinRouter(), metrics), transport
 
 
 def routed(pool: EnginePool) -> dict[tuple[str, str], float]:
@@ -390,8 +390,8 @@ def routed(pool: EnginePool) -> dict[tuple[str, str], float]:
 async def test_refused_replica_fails_over_and_is_taken_out():
     engines = Engines("ab")
     engines.generate["a"] = "refuse"
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     assert stream.replica.url == "http://b:1" and stream.decision.reason == "failover"
     assert [f.token_ids async for f in stream.frames()] == [[5], [6]]
     await stream.aclose()
@@ -405,8 +405,8 @@ async def test_refused_replica_fails_over_and_is_taken_out():
 async def test_a_stream_broken_before_its_first_frame_moves_to_another_replica():
     engines = Engines("ab")
     engines.generate["a"] = "reset_first"
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     assert stream.replica.url == "http://a:1"
     assert [f.token_ids async for f in stream.frames()] == [[5], [6]]
     assert stream.replica.url == "http://b:1" and engines.calls == ["a", "b"]
@@ -421,8 +421,8 @@ async def test_a_stream_broken_before_its_first_frame_moves_to_another_replica()
 async def test_a_stream_broken_after_its_first_frame_fails():
     engines = Engines("ab")
     engines.generate["a"] = "reset_later"
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     got = []
     with pytest.raises(EngineFailed, match="lost the connection to engine http://a:1"):
         async for frame in stream.frames():
@@ -435,8 +435,8 @@ async def test_a_stream_broken_after_its_first_frame_fails():
 async def test_failover_is_bounded():
     engines = Engines("abcd")
     engines.generate = dict.fromkeys("abcd", "reset_first")
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     with pytest.raises(EngineFailed, match="no other replica took the request: every engine replica failed"):
         async for _ in stream.frames():
             pass
@@ -449,19 +449,19 @@ async def test_failover_is_bounded():
 async def test_no_replica_takes_the_request():
     engines = Engines("ab")
     engines.generate = {"a": "refuse", "b": "refuse"}
-    pool, transport = await ready_pool(engines)
+    pool, dispatcher, transport = await ready_pool(engines)
     with pytest.raises(NoReplicaAvailable, match="every engine replica failed"):
-        await pool.open(REQUEST)
+        await dispatcher.open(REQUEST)
     with pytest.raises(NoReplicaAvailable, match="no engine replica is ready"):
-        await pool.open(REQUEST)
+        await dispatcher.open(REQUEST)
     await transport.aclose()
 
 
 async def test_load_is_counted_until_the_first_frame_and_released_on_close():
     engines = Engines("a")
-    pool, transport = await ready_pool(engines)
+    pool, dispatcher, transport = await ready_pool(engines)
     (a,) = pool.replicas
-    stream = await pool.open(REQUEST)
+    stream = await dispatcher.open(REQUEST)
     assert (a.in_flight, a.pending_prefill_tokens) == (1, 40)
     frames = stream.frames()
     await anext(frames)
@@ -476,12 +476,12 @@ async def test_load_is_counted_until_the_first_frame_and_released_on_close():
 async def test_polls_measure_utilization():
     engines = Engines("a")
     engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 0.0}
-    pool, transport = await ready_pool(engines)
+    pool, _, transport = await ready_pool(engines)
     (a,) = pool.replicas
     assert a.utilization == 0.0
     engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 100.0}  # busy since: at most 1
     await pool.poll()
-    assert a.utilization == pytest.approx(router_module.UTILIZATION_EWMA_WEIGHT)
+    assert a.utilization == pytest.approx(replica_module.UTILIZATION_EWMA_WEIGHT)
     pool.export_metrics()
     assert sample(pool.metrics.replica_utilization) == a.utilization
     await transport.aclose()
@@ -490,7 +490,7 @@ async def test_polls_measure_utilization():
 async def test_polls_open_the_breaker_then_probe_it_closed():
     clock = Clock()
     engines = Engines("ab")
-    pool, transport = await ready_pool(engines, breaker=lambda: CircuitBreaker(clock=clock))
+    pool, _, transport = await ready_pool(engines, breaker=lambda: CircuitBreaker(clock=clock))
     a = pool.replicas[0]
     engines.stats["a"] = 503  # reachable but not ready (restarting): out, without tripping the breaker
     with capture_logs() as logs:
@@ -530,11 +530,11 @@ async def hang_up(pool: EnginePool, engines: Engines, host: str) -> None:
 async def test_a_request_waiting_on_a_hung_replica_moves_on_when_it_is_taken_out(mode):
     engines = Engines("ab")
     engines.generate["a"] = mode
-    pool, transport = await ready_pool(engines)
+    pool, dispatcher, transport = await ready_pool(engines)
     a, b = pool.replicas
 
     async def tokens() -> list[list[int]]:
-        stream = await pool.open(REQUEST)
+        stream = await dispatcher.open(REQUEST)
         try:
             return [f.token_ids async for f in stream.frames()]
         finally:
@@ -557,8 +557,8 @@ async def test_a_request_waiting_on_a_hung_replica_moves_on_when_it_is_taken_out
 async def test_a_stream_hung_after_its_first_frame_fails_when_its_replica_is_taken_out():
     engines = Engines("ab")
     engines.generate["a"] = "hang_later"
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     frames = stream.frames()
     assert (await anext(frames)).token_ids == [5]
     pending = asyncio.ensure_future(anext(frames))
@@ -575,8 +575,8 @@ async def test_a_stream_hung_after_its_first_frame_fails_when_its_replica_is_tak
 async def test_cancelling_a_request_on_a_hung_replica_is_still_a_cancellation():
     engines = Engines("a")
     engines.generate["a"] = "hang_first"
-    pool, transport = await ready_pool(engines)
-    stream = await pool.open(REQUEST)
+    pool, dispatcher, transport = await ready_pool(engines)
+    stream = await dispatcher.open(REQUEST)
     task = asyncio.ensure_future(anext(stream.frames()))
     await asyncio.sleep(0.05)
     task.cancel()  # the client went away

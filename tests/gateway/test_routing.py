@@ -8,22 +8,29 @@ import httpx
 import msgpack
 import pytest
 
-from engine.protocol import GenerateRequest, OutputFrame, SamplingParams, TokenLogprob
-from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable
-from gateway.pool import EnginePool
-from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
-from gateway.router import LeastLoadRouter, PrefixRouter, Replica, RoundRobinRouter, RouteRequest, make_router
+from stats_testing import engine_stats
 
-STATS = {"model": "tiny", "block_size": 16, "max_model_len": 1024, "vocab_size": 49152, "eos_token_ids": [2],
-         "num_running": 0, "num_waiting": 0, "num_free_blocks": 64, "num_total_blocks": 64}
+from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError, SamplingParams, TokenLogprob
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable
+from gateway.metrics import GatewayMetrics
+from gateway.pool import EnginePool
+from gateway.replica import Replica
+from gateway.router import LeastLoadRouter, PrefixRouter, RoundRobinRouter, RouteRequest, make_router
+
 ROUTE = RouteRequest([1, 2, 3], None)
+
+
+def stats(host: str) -> dict:
+    """The /stats body of the idle engine on ``host``."""
+    return engine_stats(replica_id=f"id-{host}").to_wire()
 
 
 def replicas(*loads: tuple[int, int]) -> list[Replica]:
     out = []
     for i, (in_flight, waiting) in enumerate(loads):
-        r = Replica(f"http://e{i}", client=None, ready=True, stats={"num_waiting": waiting})
+        r = Replica(f"http://e{i}", client=None, ready=True, stats=engine_stats(num_waiting=waiting))
         r.streams.update(object() for _ in range(in_flight))  # stand-ins for this gateway's requests
         out.append(r)
     return out
@@ -74,29 +81,28 @@ def engine_transport(stats_by_host: dict[str, object]) -> httpx.MockTransport:
 
 
 async def test_pool_readiness_model_and_mismatch():
-    other_model = {**STATS, "max_model_len": 2048}
-    answers = {"a": STATS, "b": 503, "c": httpx.ConnectError("refused"), "d": other_model}
+    other_model = {**stats("d"), "max_model_len": 2048}
+    answers = {"a": stats("a"), "b": 503, "c": httpx.ConnectError("refused"), "d": other_model}
     async with engine_transport(answers) as transport:
-        pool = EnginePool([f"http://{h}:1" for h in "abcd"], transport, LeastLoadRouter())
+        pool = EnginePool([f"http://{h}:1" for h in "abcd"], transport)
         model = await pool.wait_ready(timeout=5, require_all=False)
         assert (model.name, model.limits.max_model_len, model.block_size) == ("tiny", 1024, 16)
-        assert model.eos_token_ids == (2,)
         assert [r.url for r in pool.ready_replicas()] == ["http://a:1"]
         errors = {r.url: r.error for r in pool.replicas}
         assert "loading" in errors["http://b:1"] and "unreachable" in errors["http://c:1"]
         assert "different model shape" in errors["http://d:1"]
-        answers["b"] = STATS  # b finished loading: the next poll brings it in
+        answers["b"] = stats("b")  # b finished loading: the next poll brings it in
         await pool.poll()
         assert [r.url for r in pool.ready_replicas()] == ["http://a:1", "http://b:1"]
-        decision = await pool.route(ROUTE, exclude=[pool.replicas[0]])
+        decision = await Dispatcher(pool, LeastLoadRouter(), pool.metrics).route(ROUTE, exclude=[pool.replicas[0]])
         assert decision.replica.url == "http://b:1"
 
 
 async def test_pool_refuses_a_second_engine_under_the_same_replica_id():
-    answers = {"a": {**STATS, "replica_id": "gpu-0"}, "b": {**STATS, "replica_id": "gpu-0"},
-               "c": {**STATS, "replica_id": "gpu-1"}}
+    answers = {"a": {**stats("a"), "replica_id": "gpu-0"}, "b": {**stats("b"), "replica_id": "gpu-0"},
+               "c": {**stats("c"), "replica_id": "gpu-1"}}
     async with engine_transport(answers) as transport:
-        pool = EnginePool([f"http://{h}:1" for h in "abc"], transport, LeastLoadRouter())
+        pool = EnginePool([f"http://{h}:1" for h in "abc"], transport)
         await pool.poll()
         assert [(r.url, r.replica_id) for r in pool.ready_replicas()] == [("http://a:1", "gpu-0"),
                                                                           ("http://c:1", "gpu-1")]
@@ -105,9 +111,45 @@ async def test_pool_refuses_a_second_engine_under_the_same_replica_id():
 
 async def test_wait_ready_times_out_naming_the_replicas():
     async with engine_transport({"a": 503}) as transport:
-        pool = EnginePool(["http://a:1"], transport, LeastLoadRouter())
+        pool = EnginePool(["http://a:1"], transport)
         with pytest.raises(RuntimeError, match="http://a:1: engine http://a:1 not ready"):
             await pool.wait_ready(timeout=0.3, require_all=True)
+
+
+def test_engine_stats_round_trip():
+    stats = engine_stats(num_waiting=3, kv_usage=0.25, total_busy_seconds=12.5)
+    assert EngineStats.from_wire(json.loads(json.dumps(stats.to_wire()))) == stats
+    assert EngineStats.from_wire({**stats.to_wire(), "added_later": 1}) == stats  # a newer engine's extras
+
+
+def test_engine_stats_name_a_missing_field():
+    wire = stats("a")
+    wire["num_queued"] = wire.pop("num_waiting")  # renamed on one side only
+    with pytest.raises(ProtocolError, match="stats field 'num_waiting' is missing") as info:
+        EngineStats.from_wire(wire)
+    assert info.value.param == "num_waiting"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_waiting", "3", "must be an integer, got str"),
+    ("num_waiting", True, "must be an integer, got bool"),
+    ("kv_usage", None, "must be a number, got NoneType"),
+    ("replica_id", 7, "must be a string, got int"),
+])
+def test_engine_stats_name_a_mistyped_field(field: str, value: object, message: str):
+    with pytest.raises(ProtocolError, match=f"{field} {message}") as info:
+        EngineStats.from_wire({**stats("a"), field: value})
+    assert info.value.param == field
+
+
+async def test_a_replica_whose_stats_lack_a_field_is_not_ready_and_says_which():
+    renamed = stats("a")
+    renamed["num_queued"] = renamed.pop("num_waiting")
+    async with engine_transport({"a": renamed}) as transport:
+        pool = EnginePool(["http://a:1"], transport)
+        with pytest.raises(RuntimeError, match="malformed /stats: stats field 'num_waiting' is missing"):
+            await pool.wait_ready(timeout=0.3, require_all=True)
+        assert not pool.replicas[0].breaker.failures  # it answered: not a health failure
 
 
 def frames_body(frames: list[OutputFrame], chunk: int) -> httpx.AsyncByteStream:
