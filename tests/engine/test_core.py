@@ -54,7 +54,7 @@ def run(core: EngineCore) -> list:
 def test_n_siblings_start_from_the_first_ones_prefix_and_the_request_retires_at_the_end():
     core = make_core()
     core.add_request(request("r", 10, n=3, max_tokens=2))
-    assert core.stats()["num_waiting"] == 3
+    assert core.stats().num_waiting == 3
     frames = run(core)
     runner = core.runner
     assert runner.steps[:2] == [[("r", 0, 8)], [("r", 0, 2)]]  # chunked prefill of the first sequence
