@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.protocol import TokenLogprob
-from gateway.run import Run
+from gateway.run import Choice, Delta, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tokenizer import Tokenizer
 
@@ -54,51 +54,63 @@ def _response_id(run: Run) -> str:
 
 
 class ResponseShape(ABC, Generic[_Req]):
-    """How one API answers: ``json`` reads a collected run, ``events`` reads the run's deltas as they come."""
+    """How one API answers: ``json`` reads a collected run, ``events`` reads the run's deltas as they
+    come. Subclasses give the object names and shape one choice (``_choice``) and one delta (``_delta``)."""
 
     id_prefix: ClassVar[str]  # of the response id, which is also the engine request id
+    object: ClassVar[str]
+    chunk_object: ClassVar[str]
 
     def __init__(self, tokenizer: Tokenizer, model_name: str):
         self.tokenizer = tokenizer
         self.model_name = model_name
 
-    @abstractmethod
-    def json(self, run: Run, req: _Req, created: int) -> dict: ...
+    def json(self, run: Run, req: _Req, created: int) -> dict:
+        return {"id": _response_id(run), "object": self.object, "created": created, "model": self.model_name,
+                "choices": [self._choice(c, run.logprobs) for c in run.choices], "usage": run.usage()}
+
+    async def events(self, run: Run, req: _Req, created: int) -> AsyncIterator[str]:
+        head = dumps({"id": _response_id(run), "object": self.chunk_object, "created": created,
+                      "model": self.model_name})[:-1]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        for choice in self._opening(run):
+            yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
+        async for d in run.deltas():
+            yield f'data: {head},"choices":[{dumps(self._delta(d, run.logprobs))}]{tail}'
+        if include_usage:
+            yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
+        yield "data: [DONE]\n\n"
+
+    def _opening(self, run: Run) -> list[dict]:
+        """Choices sent before the first delta."""
+        return []
 
     @abstractmethod
-    def events(self, run: Run, req: _Req, created: int) -> AsyncIterator[str]: ...
+    def _choice(self, c: Choice, logprobs: bool) -> dict: ...
+
+    @abstractmethod
+    def _delta(self, d: Delta, logprobs: bool) -> dict: ...
 
 
 class ChatShape(ResponseShape[ChatCompletionRequest]):
     id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
-    def json(self, run: Run, req: ChatCompletionRequest, created: int) -> dict:
-        choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.seq.text},
-             "logprobs": {"content": self._logprobs(c.lp_tokens, c.lp_values)} if run.logprobs else None,
-             "finish_reason": c.finish_reason}
-            for c in run.choices
-        ]
-        return {"id": _response_id(run), "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": run.usage()}
+    def _opening(self, run: Run) -> list[dict]:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in run.choices]
 
-    async def events(self, run: Run, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
-        head = dumps({"id": _response_id(run), "object": "chat.completion.chunk", "created": created,
-                      "model": self.model_name})[:-1]
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
-        for c in run.choices:
-            role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            yield f'data: {head},"choices":[{dumps(role)}]{tail}'
-        async for d in run.deltas():
-            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": {"content": self._logprobs(d.token_ids, d.logprobs)} if run.logprobs else None,
-                      "finish_reason": d.finish_reason}
-            yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
-        if include_usage:
-            yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
-        yield "data: [DONE]\n\n"
+    def _choice(self, c: Choice, logprobs: bool) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.seq.text},
+                "logprobs": {"content": self._logprobs(c.lp_tokens, c.lp_values)} if logprobs else None,
+                "finish_reason": c.finish_reason}
+
+    def _delta(self, d: Delta, logprobs: bool) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": {"content": self._logprobs(d.token_ids, d.logprobs)} if logprobs else None,
+                "finish_reason": d.finish_reason}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[dict]:
         tok = self.tokenizer
@@ -112,29 +124,17 @@ class ChatShape(ResponseShape[ChatCompletionRequest]):
 
 class CompletionShape(ResponseShape[CompletionRequest]):
     id_prefix = "cmpl-"
+    object = chunk_object = "text_completion"
 
-    def json(self, run: Run, req: CompletionRequest, created: int) -> dict:
-        choices = [
-            {"index": c.index, "text": c.seq.text,
-             "logprobs": self._logprobs(c.lp_tokens, c.lp_values, c.lp_offsets) if run.logprobs else None,
-             "finish_reason": c.finish_reason}
-            for c in run.choices
-        ]
-        return {"id": _response_id(run), "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": run.usage()}
+    def _choice(self, c: Choice, logprobs: bool) -> dict:
+        return {"index": c.index, "text": c.seq.text,
+                "logprobs": self._logprobs(c.lp_tokens, c.lp_values, c.lp_offsets) if logprobs else None,
+                "finish_reason": c.finish_reason}
 
-    async def events(self, run: Run, req: CompletionRequest, created: int) -> AsyncIterator[str]:
-        head = dumps({"id": _response_id(run), "object": "text_completion", "created": created,
-                      "model": self.model_name})[:-1]
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
-        async for d in run.deltas():
-            logprobs = self._logprobs(d.token_ids, d.logprobs, d.offsets) if run.logprobs else None
-            choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
-            yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
-        if include_usage:
-            yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
-        yield "data: [DONE]\n\n"
+    def _delta(self, d: Delta, logprobs: bool) -> dict:
+        return {"index": d.index, "text": d.text,
+                "logprobs": self._logprobs(d.token_ids, d.logprobs, d.offsets) if logprobs else None,
+                "finish_reason": d.finish_reason}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], offsets: list[int]) -> dict:
         tok = self.tokenizer
