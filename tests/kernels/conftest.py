@@ -13,7 +13,7 @@ from kernels.triton_ops import _checks
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_env():
-    """TRITON_INTERPRET=1 while this module's tests run (triton reads it again at first launch)."""
+    """TRITON_INTERPRET=1 while each test module runs (triton reads it again at first launch)."""
     with pytest.MonkeyPatch.context() as mp:
         if INTERPRETED:
             mp.setenv("TRITON_INTERPRET", "1")
@@ -27,7 +27,7 @@ def ops():
         pytest.skip("CUDA is present: the gpu tests run the compiled kernels")
     if not (_checks._INTERPRETED and isinstance(triton.language.zeros, InterpretedFunction)):
         pytest.fail(
-            "triton was imported before this module could turn the interpreter on; "
+            "triton was imported before kernel_cases could turn the interpreter on; "
             "run pytest with TRITON_INTERPRET=1 in the environment"
         )
     return triton_ops
