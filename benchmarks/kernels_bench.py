@@ -30,6 +30,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import reference, triton_ops  # noqa: E402
+from kernels.triton_ops import attention, fused_decode, gemv  # noqa: E402
 from loadtest.stamp import emit  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -133,22 +134,25 @@ def causal_flops(context_lens: list[int], query_lens: list[int]) -> int:
 
 
 def patched(name: str, value: object, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with ``triton_ops.<name>`` set to ``value``."""
+    """``fn`` run with ``name`` set to ``value`` in each Triton op module that looks it up."""
 
     def run():
-        chosen = getattr(triton_ops, name)
-        setattr(triton_ops, name, value)
+        holders = [m for m in (attention, fused_decode, gemv) if name in vars(m)]
+        chosen = [getattr(m, name) for m in holders]
+        for m in holders:
+            setattr(m, name, value)
         try:
             return fn()
         finally:
-            setattr(triton_ops, name, chosen)
+            for m, c in zip(holders, chosen):
+                setattr(m, name, c)
 
     return run
 
 
-def with_tiles(kind: str, tiles: triton_ops.AttentionTiles, fn: Callable[[], object]) -> Callable[[], object]:
+def with_tiles(kind: str, tiles: attention.AttentionTiles, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with ``attention_tiles`` answering ``tiles`` for ``kind``."""
-    chosen = triton_ops.attention_tiles
+    chosen = attention.attention_tiles
     return patched("attention_tiles", lambda k, d, t: tiles if k == kind else chosen(k, d, t), fn)
 
 
@@ -173,9 +177,9 @@ def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
             contexts, queries = [context] * batch, [1] * batch
             args = paged_batch(contexts, queries, block_size)
             capacity = args[3].shape[1] * block_size
-            tiles = triton_ops.attention_tiles("decode", HEAD_DIM, DTYPE)
+            tiles = attention.attention_tiles("decode", HEAD_DIM, DTYPE)
             num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-            splits = triton_ops.decode_num_splits(batch, NUM_KV_HEADS, capacity, tiles.block_n, num_sms)
+            splits = attention.decode_num_splits(batch, NUM_KV_HEADS, capacity, tiles.block_n, num_sms)
             compare(
                 "decode_attention", attention_bytes(contexts, queries), bandwidth,
                 lambda: triton_ops.paged_attention(*args), lambda: reference.paged_attention(*args),
@@ -184,7 +188,7 @@ def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
             )
             if sweep:
                 for block_n, num_warps, num_stages in DECODE_SWEEP:
-                    alt = triton_ops.AttentionTiles(1, block_n, num_warps, num_stages)
+                    alt = attention.AttentionTiles(1, block_n, num_warps, num_stages)
                     us = time_us(with_tiles("decode", alt, lambda: triton_ops.paged_attention(*args)))
                     roofline_us = attention_bytes(contexts, queries) / bandwidth * 1e6
                     emit(
@@ -261,9 +265,9 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
                         positions, q, k, v, cos_sin, k_cache, v_cache, slots, tables, seq_lens, scale, lens_cpu,
                     )
 
-                kind = triton_ops.fused_decode_kind(batch)
-                tiles = triton_ops.attention_tiles(kind, head_dim, DTYPE)
-                splits = triton_ops.decode_num_splits(batch, num_kv_heads, capacity, tiles.block_n, num_sms)
+                kind = attention.fused_decode_kind(batch)
+                tiles = attention.attention_tiles(kind, head_dim, DTYPE)
+                splits = attention.decode_num_splits(batch, num_kv_heads, capacity, tiles.block_n, num_sms)
                 separate_us, fused_us = graph_us_per_call(three_launches), graph_us_per_call(fused)
                 emit(
                     bench="fused_decode_attention_graph", shape=shape, batch=batch, context=context,
@@ -274,7 +278,7 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
                 )
                 if sweep:
                     for block_n, num_warps, num_stages in DECODE_SWEEP:
-                        alt = triton_ops.AttentionTiles(1, block_n, num_warps, num_stages)
+                        alt = attention.AttentionTiles(1, block_n, num_warps, num_stages)
                         emit(
                             bench="fused_decode_attention_sweep", shape=shape, batch=batch, context=context,
                             tiles=list(alt), fused_us=round(graph_us_per_call(with_tiles(kind, alt, fused)), 2),
@@ -322,11 +326,11 @@ def bench_prefill(block_size: int, bandwidth: float, sweep: bool) -> None:
             speedup_vs_reference=round(reference_us / triton_us, 2),
             max_abs_err=max_abs_err(cache_path(), expected),
             new_rows_max_abs_err=max_abs_err(new_rows_path(), expected),
-            tiles=list(triton_ops.attention_tiles("prefill", HEAD_DIM, DTYPE)),
+            tiles=list(attention.attention_tiles("prefill", HEAD_DIM, DTYPE)),
         )
         if sweep:
             for block_m, block_n, num_warps, num_stages in PREFILL_SWEEP:
-                alt = triton_ops.AttentionTiles(block_m, block_n, num_warps, num_stages)
+                alt = attention.AttentionTiles(block_m, block_n, num_warps, num_stages)
                 us = time_us(with_tiles("prefill", alt, cache_path))
                 alt_new_rows_us = time_us(with_tiles("prefill", alt, new_rows_path))
                 emit(
@@ -397,7 +401,7 @@ GEMV_SWEEP = [
 ]
 
 
-def with_gemv_tiles(tiles: triton_ops.GemvTiles, fn: Callable[[], object]) -> Callable[[], object]:
+def with_gemv_tiles(tiles: gemv.GemvTiles, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with the GEMV kernel on ``tiles``."""
     return patched("GEMV_TILES", tiles, fn)
 
@@ -440,7 +444,7 @@ def bench_gemv(bandwidth: float, sweep: bool) -> None:
                 fused_us, pdl_off_us = graph_us_per_call(fused), graph_us_per_call(without_pdl(fused))
                 separate_us = graph_us_per_call(separate)
                 emit(
-                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(triton_ops.GEMV_TILES),
+                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(gemv.GEMV_TILES),
                     gemv_us=round(fused_us, 2), gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2),
                     roofline_us=round(roofline_us, 2), gemv_of_roofline=round(roofline_us / fused_us, 3),
                     speedup=round(separate_us / fused_us, 2),
@@ -448,7 +452,7 @@ def bench_gemv(bandwidth: float, sweep: bool) -> None:
                 )
                 if sweep and rows == 1:
                     for alt in GEMV_SWEEP:
-                        tiles = triton_ops.GemvTiles(*alt)
+                        tiles = gemv.GemvTiles(*alt)
                         alt_us = graph_us_per_call(with_gemv_tiles(tiles, fused))
                         emit(bench="gemv_sweep", shape=shape, proj=name, rows=rows, tiles=list(tiles),
                              gemv_us=round(alt_us, 2), gemv_of_roofline=round(roofline_us / alt_us, 3))

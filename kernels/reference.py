@@ -1,14 +1,5 @@
-"""Torch reference ops. The Triton kernels in this package implement the same signatures.
-
-Layouts (shared by every implementation):
-- a flattened varlen batch: ``num_tokens`` rows; sequence ``i`` owns rows
-  ``query_start_loc[i]:query_start_loc[i+1]`` (its new tokens this step);
-- ``seq_lens[i]``: the sequence's context length *after* this step (cached + new tokens), so its
-  new tokens sit at positions ``seq_lens[i] - q_len_i … seq_lens[i] - 1``;
-- KV cache per layer: ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
-  head_dim]``; ``block_tables[i, j]`` is the physical block of the sequence's ``j``-th logical
-  block; ``slot_mapping[t] = block * block_size + offset`` is where token row ``t`` is stored.
-"""
+"""Torch reference ops: the ``kernels.KernelOps`` contract on any device, in plain torch. The
+CPU backend, and the twin the Triton kernels are tested against."""
 
 from __future__ import annotations
 
@@ -24,13 +15,9 @@ BATCHED_DECODE_MAX_KEYS = 8192
 
 
 def store_kv(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: padding, not stored
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's K/V into its paged slot (in place)."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -41,26 +28,12 @@ def store_kv(
 
 
 def paged_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    scale: float,
-    seq_lens_cpu: list[int] | None = None,
-    query_start_loc_cpu: list[int] | None = None,
-    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], as stored by store_kv
-    value: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
-
-    Covers decode (one new token), chunked prefill (many new tokens after a cached prefix) and
-    mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype.
-    The ``*_cpu`` lists are optional host copies that spare a device sync. ``key``/``value``
-    are this step's new K/V rows, already in the cache: the Triton kernel reads the new chunks
-    from them; here the cache, holding the same values, serves.
-    """
+    """``key``/``value`` go unread: the cache, holding the same values, serves."""
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
@@ -146,25 +119,11 @@ def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale
 
 
 def decode_attention(
-    positions: torch.Tensor,  # [num_seqs] int64, each new token's RoPE position
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], before RoPE
-    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], before RoPE
-    v: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_seqs] int64; negative: a padding row, not stored
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
-    scale: float,
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None,
 ) -> torch.Tensor:
-    """A decode-only step's attention, from the new tokens' projections to the output
-    ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype: row ``i`` is sequence ``i``'s one new
-    token, at context position ``seq_lens[i] - 1``. RoPE on q and k, the new k/v written to the
-    cache at ``slot_mapping`` (in place), then attention over the whole context: exactly
-    ``rotary_embedding``, ``store_kv`` and ``paged_attention`` with one query per sequence.
-    A padding row (``slot_mapping[i] < 0``) must have ``seq_lens[i] == 0``; its output is zeros."""
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     num_seqs = q.shape[0]
@@ -176,15 +135,8 @@ def decode_attention(
 
 
 def rms_norm(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual = x + residual`` (or ``x``), then RMSNorm of it in fp32.
-
-    Returns ``(normed, residual)``; the fused form saves one read and write of the hidden state.
-    """
     if residual is not None:
         x = x + residual
     residual = x
@@ -194,21 +146,16 @@ def rms_norm(
 
 
 def rope_cos_sin_cache(
-    head_dim: int, max_position: int, theta: float, device=None, dtype=torch.float32
+    head_dim: int, max_position: int, theta: float, device=None, dtype=torch.float32,
 ) -> torch.Tensor:
-    """``[max_position, head_dim]``: cos in the first half, sin in the second (NeoX / HF layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
 
 
 def rotary_embedding(
-    positions: torch.Tensor,  # [num_tokens] int64
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE (HF Llama convention), computed in fp32; returns new q, k."""
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions)
     cos = cos_sin[:, None, :half]
@@ -223,31 +170,22 @@ def rotary_embedding(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``."""
     return F.linear(x, weight)
 
 
 def norm_linear(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    norm_weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * out_features, hidden] (gate, then up)
-    gated: bool = False,
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+    weight: torch.Tensor, gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
-    silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     out = linear(normed, weight)
     return (silu_and_mul(out) if gated else out), residual
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its largest value (the first, on ties): ``[rows, vocab] -> [rows]`` int64."""
     return logits.argmax(-1)

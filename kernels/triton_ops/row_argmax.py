@@ -1,0 +1,69 @@
+"""argmax: each row's first largest value in one launch, its chunks merged by the last to finish."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_ops._checks import _FLOAT_DTYPES, _check, _check_devices, _check_last_dim_contiguous, _check_tensor
+from kernels.triton_ops._launch import _arrival_counters
+
+_ARGMAX_BLOCK = 4096  # values per program
+_ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
+
+
+@triton.jit(do_not_specialize=["width"])
+def _argmax_kernel(
+    x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride,
+    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):
+    """Program (row, chunk): the chunk's largest value and its first index, written as a
+    partial; the row's last program to arrive merges the partials (the largest value, then the
+    smallest index) and resets the row's counter to 0 for the next launch."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=cols < width, other=float("-inf"))
+    best = tl.max(x, 0)
+    best_idx = tl.min(tl.where(x == best, cols, width), 0)
+    if num_chunks == 1:
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+        return
+    partial = row * num_chunks + chunk
+    tl.store(partial_val_ptr + partial, best)
+    tl.store(partial_idx_ptr + partial, best_idx)
+    counter = counters_ptr + row
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_chunks - 1:
+        c = tl.arange(0, CHUNKS_PAD)
+        c_ok = c < num_chunks
+        vals = tl.load(partial_val_ptr + row * num_chunks + c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(partial_idx_ptr + row * num_chunks + c, mask=c_ok, other=0, cache_modifier=".cg")
+        top = tl.max(vals, 0)
+        tl.store(out_ptr + row, tl.min(tl.where(c_ok & (vals == top), idxs, width), 0).to(tl.int64))
+        tl.store(counter, 0)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """One launch: chunks of a row reduce in parallel and the last to finish merges them. No host
+    sync: it may be captured in a CUDA graph once it has run eagerly on the device."""
+    _check_tensor("logits", logits, 2, _FLOAT_DTYPES)
+    _check_last_dim_contiguous("logits", logits)
+    _check_devices(logits=logits)
+    rows, width = logits.shape
+    _check(width > 0, "logits must have at least one column")
+    num_chunks = triton.cdiv(width, _ARGMAX_BLOCK)
+    _check(num_chunks <= _ARGMAX_MAX_CHUNKS, f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    counters = _arrival_counters(logits.device, rows, "argmax")
+    partial_val = torch.empty((rows, num_chunks), dtype=logits.dtype, device=logits.device)
+    partial_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+    _argmax_kernel[(rows, num_chunks)](
+        logits, out, partial_val, partial_idx, counters, width, logits.stride(0),
+        BLOCK=_ARGMAX_BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
+    )
+    return out
