@@ -21,6 +21,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -411,101 +412,131 @@ def without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
     return patched("_pdl_args", lambda device: dict(USE_PDL=False), fn)
 
 
+class LayerWeights(NamedTuple):
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q_width: int
+
+    @classmethod
+    def random(cls, hidden: int, qkv_width: int, q_width: int, inter: int) -> LayerWeights:
+        qkv, o, gate_up, down = (
+            torch.randn(n, k, dtype=DTYPE, device="cuda") / math.sqrt(k)
+            for n, k in ((qkv_width, hidden), (hidden, q_width), (2 * inter, hidden), (hidden, inter))
+        )
+        ln1, ln2 = (torch.rand(hidden, dtype=DTYPE, device="cuda") + 0.5 for _ in range(2))
+        return cls(qkv, o, gate_up, down, ln1, ln2, q_width)
+
+    @property
+    def numel(self) -> int:
+        return sum(w.numel() for w in (self.qkv, self.o, self.gate_up, self.down))
+
+
+GEMV_EPS = 1e-5
+
+
 def bench_gemv(bandwidth: float, sweep: bool) -> None:
     """Decode-batch projections under CUDA graphs: linear/norm_linear (one GEMV launch each)
     against the launches they replace (rms_norm, cuBLAS, silu_and_mul), per projection and as a
     layer's chain of four (attention left out), with and without programmatic dependent launch;
     then a whole batch-1 decoder layer (the four and decode_attention), with and without it."""
-    eps = 1e-5
     for shape, (hidden, qkv_width, q_width, inter) in GEMV_SHAPES.items():
-        w_qkv, w_o, w_gate_up, w_down = (
-            torch.randn(n, k, dtype=DTYPE, device="cuda") / math.sqrt(k)
-            for n, k in ((qkv_width, hidden), (hidden, q_width), (2 * inter, hidden), (hidden, inter))
-        )
-        ln1, ln2 = (torch.rand(hidden, dtype=DTYPE, device="cuda") + 0.5 for _ in range(2))
+        w = LayerWeights.random(hidden, qkv_width, q_width, inter)
         for rows in GEMV_ROWS:
             x, residual = (torch.randn(rows, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
-            attn = torch.randn(rows, q_width, dtype=DTYPE, device="cuda")
-            act = torch.randn(rows, inter, dtype=DTYPE, device="cuda")
-            cases = {
-                "qkv": (lambda: triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)[0],
-                        lambda: torch.nn.functional.linear(triton_ops.rms_norm(x, ln1, eps, residual)[0], w_qkv),
-                        w_qkv.numel()),
-                "o": (lambda: triton_ops.linear(attn, w_o), lambda: torch.nn.functional.linear(attn, w_o), w_o.numel()),
-                "gate_up": (lambda: triton_ops.norm_linear(x, ln2, eps, residual, w_gate_up, gated=True)[0],
-                            lambda: triton_ops.silu_and_mul(torch.nn.functional.linear(
-                                triton_ops.rms_norm(x, ln2, eps, residual)[0], w_gate_up)),
-                            w_gate_up.numel()),
-                "down": (lambda: triton_ops.linear(act, w_down), lambda: torch.nn.functional.linear(act, w_down),
-                         w_down.numel()),
-            }
-            for name, (fused, separate, weights) in cases.items():
-                roofline_us = weights * ELEMENT / bandwidth * 1e6
-                fused_us, pdl_off_us = graph_us_per_call(fused), graph_us_per_call(without_pdl(fused))
-                separate_us = graph_us_per_call(separate)
-                emit(
-                    bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(gemv.GEMV_TILES),
-                    gemv_us=round(fused_us, 2), gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2),
-                    roofline_us=round(roofline_us, 2), gemv_of_roofline=round(roofline_us / fused_us, 3),
-                    speedup=round(separate_us / fused_us, 2),
-                    max_abs_err=max_abs_err(fused(), separate()),
-                )
-                if sweep and rows == 1:
-                    for alt in GEMV_SWEEP:
-                        tiles = gemv.GemvTiles(*alt)
-                        alt_us = graph_us_per_call(with_gemv_tiles(tiles, fused))
-                        emit(bench="gemv_sweep", shape=shape, proj=name, rows=rows, tiles=list(tiles),
-                             gemv_us=round(alt_us, 2), gemv_of_roofline=round(roofline_us / alt_us, 3))
+            _bench_projections(shape, w, x, residual, bandwidth, sweep)
+            _bench_chain(shape, w, x, residual, bandwidth)
+        _bench_decode_layer(shape, w, hidden)
 
-            def chain():
-                qkv, res = triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)
-                h = triton_ops.linear(qkv[:, :q_width], w_o)
-                a, res = triton_ops.norm_linear(h, ln2, eps, res, w_gate_up, gated=True)
-                return triton_ops.linear(a, w_down)
 
-            def chain_separate():
-                normed, res = triton_ops.rms_norm(x, ln1, eps, residual)
-                qkv = torch.nn.functional.linear(normed, w_qkv)
-                h = torch.nn.functional.linear(qkv[:, :q_width], w_o)
-                normed, res = triton_ops.rms_norm(h, ln2, eps, res)
-                a = triton_ops.silu_and_mul(torch.nn.functional.linear(normed, w_gate_up))
-                return torch.nn.functional.linear(a, w_down)
-
-            weights = sum(w.numel() for w in (w_qkv, w_o, w_gate_up, w_down))
-            roofline_us = weights * ELEMENT / bandwidth * 1e6
-            fused_us, pdl_off_us = graph_us_per_call(chain), graph_us_per_call(without_pdl(chain))
-            separate_us = graph_us_per_call(chain_separate)
-            emit(
-                bench="gemv_layer_chain_graph", shape=shape, rows=rows, gemv_us=round(fused_us, 2),
-                gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2), roofline_us=round(roofline_us, 2),
-                speedup=round(separate_us / fused_us, 2), max_abs_err=max_abs_err(chain(), chain_separate()),
-            )
-
-        # A whole decoder layer of a batch-1 decode step, as the engine's graphs replay it.
-        num_heads, num_kv_heads, head_dim, capacity = FUSED_DECODE_SHAPES[shape]
-        k_cache, v_cache, tables, slots, positions, seq_lens = decode_cache(
-            1, num_kv_heads, head_dim, capacity, LAYER_CONTEXT, 16
-        )
-        cos_sin = reference.rope_cos_sin_cache(head_dim, capacity, 10000.0, device="cuda")
-        x, residual = (torch.randn(1, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
-        kv_width = num_kv_heads * head_dim
-
-        def layer():
-            qkv, res = triton_ops.norm_linear(x, ln1, eps, residual, w_qkv)
-            q, k, v = qkv.split([q_width, kv_width, kv_width], -1)
-            attn = triton_ops.decode_attention(
-                positions, q.view(1, num_heads, head_dim), k.view(1, num_kv_heads, head_dim),
-                v.view(1, num_kv_heads, head_dim), cos_sin, k_cache, v_cache, slots, tables, seq_lens,
-                head_dim**-0.5, [LAYER_CONTEXT],
-            )
-            h = triton_ops.linear(attn.view(1, q_width), w_o)
-            a, res = triton_ops.norm_linear(h, ln2, eps, res, w_gate_up, gated=True)
-            return triton_ops.linear(a, w_down)
-
+def _bench_projections(shape: str, w: LayerWeights, x: torch.Tensor, residual: torch.Tensor, bandwidth: float,
+                       sweep: bool) -> None:
+    rows = x.shape[0]
+    linear, eps = torch.nn.functional.linear, GEMV_EPS
+    attn = torch.randn(rows, w.q_width, dtype=DTYPE, device="cuda")
+    act = torch.randn(rows, w.down.shape[1], dtype=DTYPE, device="cuda")
+    cases = {
+        "qkv": (lambda: triton_ops.norm_linear(x, w.ln1, eps, residual, w.qkv)[0],
+                lambda: linear(triton_ops.rms_norm(x, w.ln1, eps, residual)[0], w.qkv), w.qkv.numel()),
+        "o": (lambda: triton_ops.linear(attn, w.o), lambda: linear(attn, w.o), w.o.numel()),
+        "gate_up": (lambda: triton_ops.norm_linear(x, w.ln2, eps, residual, w.gate_up, gated=True)[0],
+                    lambda: triton_ops.silu_and_mul(linear(triton_ops.rms_norm(x, w.ln2, eps, residual)[0], w.gate_up)),
+                    w.gate_up.numel()),
+        "down": (lambda: triton_ops.linear(act, w.down), lambda: linear(act, w.down), w.down.numel()),
+    }
+    for name, (fused, separate, weights) in cases.items():
+        roofline_us = weights * ELEMENT / bandwidth * 1e6
+        fused_us, pdl_off_us = graph_us_per_call(fused), graph_us_per_call(without_pdl(fused))
+        separate_us = graph_us_per_call(separate)
         emit(
-            bench="decode_layer_graph", shape=shape, rows=1, context=LAYER_CONTEXT,
-            layer_us=round(graph_us_per_call(layer), 2), no_pdl_us=round(graph_us_per_call(without_pdl(layer)), 2),
+            bench="gemv_graph", shape=shape, proj=name, rows=rows, tiles=list(gemv.GEMV_TILES),
+            gemv_us=round(fused_us, 2), gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2),
+            roofline_us=round(roofline_us, 2), gemv_of_roofline=round(roofline_us / fused_us, 3),
+            speedup=round(separate_us / fused_us, 2),
+            max_abs_err=max_abs_err(fused(), separate()),
         )
+        if sweep and rows == 1:
+            for alt in GEMV_SWEEP:
+                tiles = gemv.GemvTiles(*alt)
+                alt_us = graph_us_per_call(with_gemv_tiles(tiles, fused))
+                emit(bench="gemv_sweep", shape=shape, proj=name, rows=rows, tiles=list(tiles),
+                     gemv_us=round(alt_us, 2), gemv_of_roofline=round(roofline_us / alt_us, 3))
+
+
+def _bench_chain(shape: str, w: LayerWeights, x: torch.Tensor, residual: torch.Tensor, bandwidth: float) -> None:
+    linear, eps = torch.nn.functional.linear, GEMV_EPS
+
+    def chain():
+        qkv, res = triton_ops.norm_linear(x, w.ln1, eps, residual, w.qkv)
+        h = triton_ops.linear(qkv[:, : w.q_width], w.o)
+        a, res = triton_ops.norm_linear(h, w.ln2, eps, res, w.gate_up, gated=True)
+        return triton_ops.linear(a, w.down)
+
+    def chain_separate():
+        normed, res = triton_ops.rms_norm(x, w.ln1, eps, residual)
+        h = linear(linear(normed, w.qkv)[:, : w.q_width], w.o)
+        normed, res = triton_ops.rms_norm(h, w.ln2, eps, res)
+        return linear(triton_ops.silu_and_mul(linear(normed, w.gate_up)), w.down)
+
+    roofline_us = w.numel * ELEMENT / bandwidth * 1e6
+    fused_us, pdl_off_us = graph_us_per_call(chain), graph_us_per_call(without_pdl(chain))
+    separate_us = graph_us_per_call(chain_separate)
+    emit(
+        bench="gemv_layer_chain_graph", shape=shape, rows=x.shape[0], gemv_us=round(fused_us, 2),
+        gemv_no_pdl_us=round(pdl_off_us, 2), separate_us=round(separate_us, 2), roofline_us=round(roofline_us, 2),
+        speedup=round(separate_us / fused_us, 2), max_abs_err=max_abs_err(chain(), chain_separate()),
+    )
+
+
+def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
+    """A whole decoder layer of a batch-1 decode step, as the engine's graphs replay it."""
+    num_heads, num_kv_heads, head_dim, capacity = FUSED_DECODE_SHAPES[shape]
+    k_cache, v_cache, tables, slots, positions, seq_lens = decode_cache(
+        1, num_kv_heads, head_dim, capacity, LAYER_CONTEXT, 16
+    )
+    cos_sin = reference.rope_cos_sin_cache(head_dim, capacity, 10000.0, device="cuda")
+    x, residual = (torch.randn(1, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
+    kv_width = num_kv_heads * head_dim
+
+    def layer():
+        qkv, res = triton_ops.norm_linear(x, w.ln1, GEMV_EPS, residual, w.qkv)
+        q, k, v = qkv.split([w.q_width, kv_width, kv_width], -1)
+        attn = triton_ops.decode_attention(
+            positions, q.view(1, num_heads, head_dim), k.view(1, num_kv_heads, head_dim),
+            v.view(1, num_kv_heads, head_dim), cos_sin, k_cache, v_cache, slots, tables, seq_lens,
+            head_dim**-0.5, [LAYER_CONTEXT],
+        )
+        h = triton_ops.linear(attn.view(1, w.q_width), w.o)
+        a, res = triton_ops.norm_linear(h, w.ln2, GEMV_EPS, res, w.gate_up, gated=True)
+        return triton_ops.linear(a, w.down)
+
+    emit(
+        bench="decode_layer_graph", shape=shape, rows=1, context=LAYER_CONTEXT,
+        layer_us=round(graph_us_per_call(layer), 2), no_pdl_us=round(graph_us_per_call(without_pdl(layer)), 2),
+    )
 
 
 def main() -> None:
