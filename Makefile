@@ -10,7 +10,7 @@ ENGINES ?= 1
 REDIS_URL ?=
 MODEL ?=
 
-.PHONY: install run test bench-cpu clean
+.PHONY: install run lint test bench-cpu clean
 
 install: $(STAMP)
 
@@ -29,7 +29,10 @@ run: install
 		--index-url "$(if $(REDIS_URL),$(REDIS_URL),memory://)" \
 		$(if $(MODEL),--model "$(MODEL)")
 
-test: install
+lint: install
+	$(PY) -m ruff check .
+
+test: lint
 	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --port 6379 --save ""
 	@command -v docker-compose >/dev/null || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }

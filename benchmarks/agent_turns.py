@@ -35,13 +35,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import DUMMY_CONFIGS, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.logs import configure_logging  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from kernels import load_ops  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from engine.config import DUMMY_CONFIGS, EngineConfig
+from engine.core import EngineCore
+from engine.logs import configure_logging
+from engine.models.loader import load_model
+from engine.protocol import GenerateRequest, SamplingParams
+from kernels import load_ops
+from loadtest.stamp import emit
 
 IM_START, IM_END, NL = 1, 2, 198
 ROLES = {"system": (9690,), "user": (4093,), "assistant": (520, 9531)}

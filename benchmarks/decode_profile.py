@@ -1,10 +1,11 @@
 """Where a decode step's time goes: per-kernel GPU time of the engine's captured decode graphs.
 
 For each shape (dummy bf16 weights), batch bucket and context (each within the shape's
-max_model_len), replays the decode graph with every row at that context and prints one JSON line: the replay time, its bytes roofline (weights
-plus the KV read, at the copy bandwidth measured in the same run: the peer every decode step is
-held to), how many kernels one replay launches, and the kernels by GPU time (torch.profiler over
-the replays). The gap between the replay time and the sum of kernel times is launch latency.
+max_model_len), replays the decode graph with every row at that context and prints one JSON
+line: the replay time, its bytes roofline (weights plus the KV read, at the copy bandwidth
+measured in the same run: the peer every decode step is held to), how many kernels one replay
+launches, and the kernels by GPU time (torch.profiler over the replays). The gap between the
+replay time and the sum of kernel times is launch latency.
 
     python3 benchmarks/decode_profile.py [--contexts 640,4096] [--batches 1,64]
 """
@@ -24,10 +25,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.logs import configure_logging  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.logs import configure_logging
+from loadtest.stamp import emit
 
 REPLAYS = 50
 MAX_MODEL_LEN = {"smollm2-135m": 2048, "llama3-8b": 8192}  # as in gpu_bench.py: the graphs' split counts

@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.warmup import warmup  # noqa: E402
-from engine.logs import configure_logging  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams, default_model_path  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.logs import configure_logging
+from engine.protocol import GenerateRequest, SamplingParams, default_model_path
+from engine.warmup import warmup
+from loadtest.stamp import emit
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -143,7 +143,8 @@ def bench_served(args, model_path: str) -> float:
         batch = prompts(args.batch, 16, 2)
 
         async def one(client, i, n, tag):
-            req = GenerateRequest(f"{tag}-{i}", batch[i], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            req = GenerateRequest(f"{tag}-{i}", batch[i],
+                                  SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             async with client.stream("POST", f"{url}/generate", content=req.pack()) as resp:
                 async for _ in resp.aiter_raw():
                     pass
@@ -174,7 +175,8 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging("WARNING")  # stdout carries only the JSON lines
     model_path = str(default_model_path())
-    env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
+    env = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+           "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32"}
     hf_peer = HF(model_path)
     results = measure(args, {"kvgate": Ours(model_path, args.prompt_len), "hf": hf_peer})
     ours, hf = results["kvgate"], results["hf"]

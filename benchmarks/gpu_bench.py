@@ -34,14 +34,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.hf_twin import hf_twin  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.warmup import warmup  # noqa: E402
-from engine.logs import configure_logging  # noqa: E402
-from engine.models.llama import LlamaForCausalLM  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from benchmarks.hf_twin import hf_twin
+from engine.config import EngineConfig, ModelConfig
+from engine.core import EngineCore
+from engine.logs import configure_logging
+from engine.models.llama import LlamaForCausalLM
+from engine.protocol import GenerateRequest, SamplingParams
+from engine.warmup import warmup
+from loadtest.stamp import emit
 
 SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "offline")
 START = time.perf_counter()
@@ -114,7 +114,8 @@ class Shape:
         c = config
         self.config = c
         self.element = element
-        attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+        attn = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                + c.num_heads * c.head_dim * c.hidden_size)
         mlp = 3 * c.hidden_size * c.intermediate_size
         self.layer_linear_params = c.num_layers * (attn + mlp)
         self.head_params = c.vocab_size * c.hidden_size
@@ -244,13 +245,14 @@ class CompiledDecode:
         self.head = m.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.norm = m.norm.weight
         self.layers = [
-            (l.input_layernorm.weight, l.self_attn.qkv_proj.weight, l.self_attn.o_proj.weight,
-             l.post_attention_layernorm.weight, l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight)
-            for l in m.layers
+            (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+             layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+            for layer in m.layers
         ]
         dev, dtype = self.embed.device, self.embed.dtype
         shape = (1, c.num_kv_heads, max_len, c.head_dim)
-        self.caches = [(torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)) for _ in m.layers]
+        self.caches = [(torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype))
+                       for _ in m.layers]
         self.cos_sin = m.cos_sin_cache
         self.key_pos = torch.arange(max_len, device=dev)
         self.token = torch.zeros((1, 1), dtype=torch.long, device=dev)
@@ -367,7 +369,8 @@ def bench_decode_b1_peers(
         hf = hf_decode_b1(twin, prompt, 32 if name == "llama3-8b" else 64)
         del twin
         free_cuda()
-        emit(bench="decode_b1", model=name, peer="hf_generate", tok_s=round(hf, 1), fraction_of_copy_bandwidth=fraction(hf))
+        emit(bench="decode_b1", model=name, peer="hf_generate", tok_s=round(hf, 1),
+             fraction_of_copy_bandwidth=fraction(hf))
     summary = dict(
         bench="decode_b1", model=name, ours_tok_s=round(ours, 1), ours_ms_per_token=round(1e3 / ours, 3),
         ours_graph_replay_ms=round(replay_ms, 3),
@@ -507,7 +510,8 @@ def bench_offline(bandwidth: float, peak: float, budget: Budget) -> None:
             hf = tokens / seconds
             emit(bench="offline", peer="hf_generate_batch", output_tok_s=round(hf, 1), seqs=subset,
                  max_new_tokens=mean_out, seconds=round(seconds, 1),
-                 note="first 32 prompts of the workload, each to their mean output length (one max_new_tokens per call)")
+                 note="first 32 prompts of the workload, each to their mean output length "
+                      "(one max_new_tokens per call)")
         finally:
             del twin
             free_cuda()
@@ -526,7 +530,7 @@ def bench_offline(bandwidth: float, peak: float, budget: Budget) -> None:
 def guarded(name: str, fn: Callable[[], object]) -> None:
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 — one broken section must not hide the others' numbers
+    except Exception as exc:
         emit(bench=name, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
         free_cuda()
 
@@ -560,7 +564,8 @@ def bench_model(name: str, settings: dict, sections: set[str], bandwidth: float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=420, help="skip peers that would end past this (default: 420)")
+    parser.add_argument("--budget-s", type=float, default=420,
+                        help="skip peers that would end past this (default: 420)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -574,9 +579,11 @@ def main() -> None:
     bandwidth, peak = measure_device()
     engine = dict(max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
     if sections & {"ttft", "decode_b1", "cont_batch", "prefill_8k"}:
-        guarded("llama3-8b", lambda: bench_model("llama3-8b", {**engine, "max_model_len": 8192}, sections, bandwidth, budget))
+        guarded("llama3-8b",
+                lambda: bench_model("llama3-8b", {**engine, "max_model_len": 8192}, sections, bandwidth, budget))
     if sections & {"decode_b1", "cont_batch"} and budget.allows("smollm2-135m", "ours", 40):
-        guarded("smollm2-135m", lambda: bench_model("smollm2-135m", {**engine, "max_model_len": 2048}, sections, bandwidth, budget))
+        guarded("smollm2-135m",
+                lambda: bench_model("smollm2-135m", {**engine, "max_model_len": 2048}, sections, bandwidth, budget))
     if "offline" in sections and budget.allows("offline", "ours", 50):
         guarded("offline", lambda: bench_offline(bandwidth, peak, budget))
     emit(bench="done", seconds=round(time.perf_counter() - START, 1))

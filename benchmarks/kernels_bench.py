@@ -30,9 +30,9 @@ from triton.testing import do_bench
 # Run as a script from anywhere: the repository root holds the kernels package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference, triton_ops  # noqa: E402
-from kernels.triton_ops import attention, fused_decode, gemv  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from kernels import reference, triton_ops
+from kernels.triton_ops import attention, fused_decode, gemv
+from loadtest.stamp import emit
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 HIDDEN, INTERMEDIATE = 4096, 14336

@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.warmup import warmup  # noqa: E402
-from engine.logs import configure_logging  # noqa: E402
-from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from loadtest.stamp import emit  # noqa: E402
+from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig
+from engine.core import EngineCore
+from engine.logs import configure_logging
+from engine.protocol import GenerateRequest, SamplingParams
+from engine.warmup import warmup
+from loadtest.stamp import emit
 
 BUDGET = 2048
 

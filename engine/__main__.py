@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="offline batch: JSONL requests on stdin, JSONL results on stdout",
         description='Each stdin line: {"prompt_ids": [...], "max_tokens": 16, "temperature": 0.0, ...any '
-                    'sampling field; optional "salt" and "cache_boundaries" as in the sidecar\'s requests}. Each stdout line, in input order: {"token_ids": [...], "finish_reason": '
+                    'sampling field; optional "salt" and "cache_boundaries" as in the sidecar\'s requests}. '
+                    'Each stdout line, in input order: {"token_ids": [...], "finish_reason": '
                     '"stop"|"length", "num_cached_tokens": N} (plus "logprobs" when asked; "outputs" when '
                     'n > 1), or {"error": {...}} for a bad line. All lines are submitted together so they batch.',
     )

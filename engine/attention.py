@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Decode steps whose contexts all fit in this many tokens run decode_attention (RoPE, the K/V
 # store and split-K attention in one launch); longer ones the three ops it fuses, whose separate
 # reduce kernel merges many splits in parallel. On the H200 (kernels_bench.py, per layer, batch

@@ -136,7 +136,8 @@ def dummy_config(spec: str) -> ModelConfig:
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # torch dtype names, besides auto
+CPU_KV_CACHE_GB = 1.0
 # Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
 CPU_PREFILL_PACK_TOKENS = 256
 
@@ -185,8 +186,9 @@ class EngineConfig:
     max_model_len: int | None = _flag(None, "context length limit (default: the model's)")
     num_kv_blocks: int | None = _flag(None, "size of the KV block pool (default: from --kv-cache-memory)")
     kv_cache_memory_gb: float | None = _flag(
-        None, "GiB of KV cache when --num-kv-blocks is not given (default: 1.0 on the CPU; on CUDA what "
-              "--gpu-memory-utilization leaves after a profiling run)", flag="--kv-cache-memory", metavar="GIB")
+        None, f"GiB of KV cache when --num-kv-blocks is not given (default: {CPU_KV_CACHE_GB} on the CPU; on "
+              "CUDA what --gpu-memory-utilization leaves after a profiling run)", flag="--kv-cache-memory",
+        metavar="GIB")
     gpu_memory_utilization: float = _flag(
         0.9, "fraction of the GPU's memory this engine may use: weights, the largest step's activations "
              "(measured by a profiling run) and the KV cache fill it")

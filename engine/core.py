@@ -13,26 +13,24 @@ from typing import Protocol
 import structlog
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.protocol import EngineStats, GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
 from engine.request import Sequence, Status
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from kernels import load_ops
 from prefix_index.events import KVEvent
 from prefix_index.hashing import BlockHash
-from kernels import load_ops
 
 log = structlog.get_logger("engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_GB = 1.0
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype == "auto":
         return torch.float32 if config.device == "cpu" else torch.bfloat16
-    return _DTYPES[config.dtype]
+    return getattr(torch, config.dtype)
 
 
 @dataclass(slots=True)

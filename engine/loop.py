@@ -96,7 +96,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             core = self._start()
-        except BaseException as exc:  # noqa: BLE001 — reported through /health, then the thread ends
+        except BaseException as exc:
             log.exception("engine_start_failed")
             self.failed = exc
             return
@@ -158,7 +158,7 @@ class EngineLoop:
             case Call(fn, future):
                 try:
                     result = fn(core)
-                except Exception as exc:  # noqa: BLE001 — handed to the awaiting coroutine
+                except Exception as exc:
                     self._loop.call_soon_threadsafe(future.set_exception, exc)
                 else:
                     self._loop.call_soon_threadsafe(future.set_result, result)

@@ -11,7 +11,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter("kvgate_engine_requests", "Requests by finish reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("kvgate_engine_prompt_tokens", "Prompt tokens received", registry=r)
-        self.cached_tokens = Counter("kvgate_engine_cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter(
+            "kvgate_engine_cached_tokens", "Prompt tokens served from the prefix cache", registry=r,
+        )
         self.generation_tokens = Counter("kvgate_engine_generation_tokens", "Tokens generated", registry=r)
         self.steps = Counter("kvgate_engine_steps", "Engine steps", registry=r)
         self.running = Gauge("kvgate_engine_num_running", "Running sequences", registry=r)

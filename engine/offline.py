@@ -9,7 +9,6 @@ from typing import IO, Any
 from engine.core import EngineCore
 from engine.protocol import OutputFrame, ProtocolError, parse_generate_request
 
-
 # The fields of a line that belong to the request; every other one is a sampling field.
 REQUEST_FIELDS = ("prompt_ids", "salt", "cache_boundaries")
 

@@ -22,11 +22,20 @@ from urllib.parse import urlsplit
 
 from engine.logs import LOG_LEVELS
 from engine.protocol import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path
-from gateway.settings import (ConfigError, Setting, boolean, choice, existing_path, integer, nonempty,
-                              positive_float, read)
+from gateway.router import ROUTERS
+from gateway.settings import (
+    ConfigError,
+    Setting,
+    boolean,
+    choice,
+    existing_path,
+    integer,
+    nonempty,
+    positive_float,
+    read,
+)
 from gateway.spawn import SpawnConfig
 
-ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 INDEX_SCHEMES = ("memory", "redis", "rediss", "unix")
 
 
@@ -106,7 +115,7 @@ _SETTINGS: tuple[Setting, ...] = (
             group="engines"),
     Setting("routing", "replica choice: prefix (least predicted work: uncached prompt tokens plus queued "
             "prefill, from the shared prefix index), least-load (fewest requests) or round-robin",
-            choice(ROUTING_POLICIES), "prefix", group="engines"),
+            choice(tuple(ROUTERS)), "prefix", group="engines"),
     Setting("prefix_load_bound", "with --routing prefix: how many prefill tokens later (its queue, then the "
             "request's own uncached tokens) than on the soonest replica a request may reach its first token on "
             "a replica chosen for its cached prefix", integer(0), 4096, metavar="TOKENS", group="engines"),

@@ -76,7 +76,7 @@ class RequestContextMiddleware:
         tokens = structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             await self.app(scope, receive, send_with_id)
-        except Exception as exc:  # noqa: BLE001 — logged below once, with its traceback
+        except Exception as exc:
             record.exc = record.exc or exc
             if record.status is None:  # it escaped before any answer (Starlette answers what it catches)
                 await APIError(500, "internal server error").response()(scope, receive, send_with_id)

@@ -85,10 +85,10 @@ class Router(ABC):
     @abstractmethod
     async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision: ...
 
-    async def start(self, model: str, block_size: int) -> None:
+    async def start(self, model: str, block_size: int) -> None:  # noqa: B027 — optional hook
         """Called once with the engines' model name and block size (from their /stats)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 — optional hook
         """Release what ``start`` opened."""
 
 
@@ -325,11 +325,13 @@ class PrefixRouter(Router):
         return RouteDecision(chosen, reason, score.cached_tokens)
 
 
+ROUTERS: dict[str, type[Router]] = {cls.policy: cls for cls in (PrefixRouter, LeastLoadRouter, RoundRobinRouter)}
+
+
 def make_router(config: GatewayConfig, metrics: GatewayMetrics) -> Router:
     """The router of ``config.routing``; raises ValueError for an unknown policy."""
+    if config.routing not in ROUTERS:
+        raise ValueError(f"unknown routing policy {config.routing!r}; choose one of {', '.join(ROUTERS)}")
     if config.routing == PrefixRouter.policy:
         return PrefixRouter(config.index_url, PrefixSettings.from_config(config), metrics)
-    routers = {cls.policy: cls for cls in (LeastLoadRouter, RoundRobinRouter)}
-    if config.routing not in routers:
-        raise ValueError(f"unknown routing policy {config.routing!r}; choose one of prefix, {', '.join(routers)}")
-    return routers[config.routing]()
+    return ROUTERS[config.routing]()

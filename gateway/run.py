@@ -20,8 +20,8 @@ import anyio
 
 from engine.protocol import GenerateRequest, OutputFrame, TokenLogprob
 from gateway.detokenizer import SequenceText
-from gateway.engine_client import EngineFailed
 from gateway.dispatch import RoutedStream
+from gateway.engine_client import EngineFailed
 
 
 class Delta(NamedTuple):
@@ -122,7 +122,7 @@ class Run:
                     async for frame in frames:
                         queue.put_nowait((job, frame))
                 queue.put_nowait((job, None))
-            except Exception as exc:  # noqa: BLE001 — handed to the consumer, which decides
+            except Exception as exc:
                 queue.put_nowait((job, exc))
 
         tasks = [asyncio.create_task(pump(job)) for job in self.jobs]

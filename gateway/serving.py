@@ -23,7 +23,7 @@ from starlette.responses import Response
 from engine.protocol import GenerateRequest, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.detokenizer import SequenceText
-from gateway.dispatch import Dispatcher, NoReplicaAvailable, RoutedStream
+from gateway.dispatch import Dispatcher, NoReplicaAvailable
 from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
@@ -254,7 +254,7 @@ class Serving:
         except EngineFailed as exc:
             record.error = str(exc)
             error = APIError(502, str(exc))
-        except Exception as exc:  # noqa: BLE001 — logged once with its traceback via the record
+        except Exception as exc:
             record.exc = exc
             error = APIError(500, "internal server error")
         yield f"data: {dumps(error.body())}\n\n"

@@ -259,7 +259,7 @@ class Tokenizer:
         """The messages rendered without a generation prompt; None if the template refuses them."""
         try:
             return self.render(messages, add_generation_prompt=False)
-        except Exception:  # noqa: BLE001 — a template may refuse a partial conversation: then no boundary
+        except Exception:
             return None
 
     def _split_before_added_token(self, encoding: tokenizers.Encoding, end: int) -> int | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 # Decodes whose padded batch holds at most this many keys share one masked sdpa call; longer ones
 # take one call each. On the CPU (one thread, 4/2 heads of 64) the shared call is 2-4x as fast at
 # 8-64 sequences of 100-300 tokens, but 2-7x as slow from 16K padded keys on (4 x 8K, 16 x 1K,

@@ -291,8 +291,8 @@ def run_locust(args: argparse.Namespace, workload: WorkloadConfig, gateways: Seq
             "--stop-timeout", str(args.stop_timeout), "-H", gateways[0].url,
             "--gateways", ",".join(g.url for g in gateways), "--think-time", str(args.think_time),
             "--conversation-gap", str(args.conversation_gap), "--conversation-rate", str(args.conversation_rate),
-            "--records-csv", str(out / "requests.csv"), "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
-            *workload.to_argv(), *args.user_classes]
+            "--records-csv", str(out / "requests.csv"), "--csv", str(out / "locust"),
+            "--html", str(out / "locust.html"), *workload.to_argv(), *args.user_classes]
     limit_s = args.duration + args.stop_timeout + 120
     with (out / "locust.log").open("w") as log:
         try:
@@ -368,8 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "cuda:0,cuda:1); default: the engine's own choice")
     parser.add_argument("--tokenizer", help="GGUF file or HF directory for the gateway and the report (default: "
                                             "--model when it has one, else the SmolLM2 GGUF)")
-    parser.add_argument("--engine-args", default="", help="more `python -m engine serve` flags, one shell-quoted string")
-    parser.add_argument("--gateway-args", default="", help="more `python -m gateway serve` flags, one shell-quoted string")
+    parser.add_argument("--engine-args", default="",
+                        help="more `python -m engine serve` flags, one shell-quoted string")
+    parser.add_argument("--gateway-args", default="",
+                        help="more `python -m gateway serve` flags, one shell-quoted string")
     parser.add_argument("--redis-url", help="use this Redis (its db is FLUSHED between policies) instead of a "
                                             "throwaway redis-server")
     parser.add_argument("--startup-timeout", type=_positive(float), default=300.0,
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.conversation_rate > 0 and args.conversation_gap > 0:
             raise RunnerError("give --conversation-rate (an open loop) or --conversation-gap, not both")
         if unknown or not args.user_classes:
-            raise RunnerError(f"--user-classes: unknown {unknown or 'none given'}; choose among {', '.join(USER_CLASSES)}")
+            raise RunnerError(f"--user-classes: unknown {unknown or 'none given'}; "
+                              f"choose among {', '.join(USER_CLASSES)}")
         workload = WorkloadConfig.from_options(args)
         tokenizer = args.tokenizer or default_tokenizer(args.model, args.load_format)
         check_policies(policies, gateway_flags(args, tokenizer, args.redis_url or f"redis://{HOST}:6379/0"))
@@ -423,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunnerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if (args.out / "run.json").is_file():
-            print(f"the policies that finished are in {args.out}: python -m loadtest.report {args.out}", file=sys.stderr)
+            print(f"the policies that finished are in {args.out}: python -m loadtest.report {args.out}",
+                  file=sys.stderr)
         return 1
     report.quiet_logs()
     summary = report.write_report(args.out)

@@ -17,9 +17,9 @@ from prefix_index.events import (
     BlockStored,
     KVEventBatch,
     check_batch,
-    pack_block_hashes,
     check_epoch,
     check_replica_id,
+    pack_block_hashes,
 )
 from prefix_index.hashing import BlockHash
 from prefix_index.index import PrefixIndex, ttl_ms

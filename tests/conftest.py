@@ -6,7 +6,7 @@ import os
 # OpenMP workers made small ops 10x slower. Must be set before torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 # Without CUDA, Triton kernels run in the interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():

@@ -10,7 +10,6 @@ op that touches the KV cache or is worth a kernel comes from the ``ops`` set
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from kernels import KernelOps
 
 
 # Weights start uninitialized (torch.empty): the loader overwrites every one, and both a random
@@ -25,7 +25,7 @@ from engine.config import ModelConfig
 class Linear(nn.Module):
     """Bias-free ``x @ weight.T``."""
 
-    def __init__(self, in_features: int, out_features: int, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.ops = ops
@@ -44,7 +44,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, size: int, eps: float, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, **factory))
         self.eps = eps
@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
@@ -110,14 +110,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """The SwiGLU weights: gate/up is applied, with SiLU-and-mul, by the post-attention norm."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, ops, factory)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, ops, factory)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, factory)
         self.self_attn = LlamaAttention(config, ops, factory)
@@ -146,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType, factory: dict) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, factory: dict) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, factory)
         self.layers = nn.ModuleList(
@@ -185,13 +185,14 @@ class LlamaForCausalLM(nn.Module):
     the new tokens' K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` pair per layer, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``attn.slot_mapping`` and mutates
     nothing else. ``compute_logits(hidden [N, hidden_size], out=None) -> fp32 [N, vocab]`` (into
-    ``out`` when given): pass only the rows to sample. Weights are uninitialized until ``load_weights`` (see ``engine.models.loader``).
+    ``out`` when given): pass only the rows to sample. Weights are uninitialized until
+    ``load_weights`` (see ``engine.models.loader``).
     """
 
     def __init__(
         self,
         config: ModelConfig,
-        ops: ModuleType,
+        ops: KernelOps,
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,

@@ -9,7 +9,6 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from engine.config import ModelConfig, dummy_config
 from engine.models.llama import LlamaForCausalLM
 from engine.protocol import LOAD_FORMATS
+from kernels import KernelOps
 
 if TYPE_CHECKING:
     import gguf
@@ -52,7 +52,7 @@ class ModelLoadError(ValueError):
 
 
 def load_model(
-    model: str, load_format: str, device: torch.device | str, dtype: torch.dtype, ops: ModuleType
+    model: str, load_format: str, device: torch.device | str, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model on ``device`` in ``dtype`` and load its weights; raises ModelLoadError.
 
@@ -199,7 +199,7 @@ def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tupl
 
 
 def _load_gguf(
-    path: Path, device: torch.device, dtype: torch.dtype, ops: ModuleType
+    path: Path, device: torch.device, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
@@ -256,7 +256,7 @@ def _hf_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_hf(
-    path: Path, device: torch.device, dtype: torch.dtype, ops: ModuleType
+    path: Path, device: torch.device, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} is not a directory with config.json")
@@ -277,7 +277,7 @@ def _load_hf(
 
 
 def _load_dummy(
-    spec: str, device: torch.device, dtype: torch.dtype, ops: ModuleType
+    spec: str, device: torch.device, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     try:
         config = dummy_config(spec)

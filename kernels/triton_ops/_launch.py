@@ -56,5 +56,8 @@ def _arrival_counters(device: torch.device, needed: int, op: str) -> torch.Tenso
         count = max(_MIN_ARRIVAL_COUNTERS, _DECODE_PROGRAMS_PER_SM * _num_sms(device))
         counters = torch.zeros(count, dtype=torch.int32, device=device)
         _ARRIVAL_COUNTERS[device] = counters
-    _check(needed <= counters.numel(), f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are")
+    _check(
+        needed <= counters.numel(),
+        f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are",
+    )
     return counters

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from paged import peaky_tiny
 
 from engine.models.loader import load_model

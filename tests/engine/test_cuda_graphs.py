@@ -8,9 +8,9 @@ from engine.__main__ import build_parser, engine_config
 from engine.attention import FUSED_DECODE_MAX_CONTEXT
 from engine.config import CPU_PREFILL_PACK_TOKENS, EngineConfig
 from engine.core import EngineCore
-from engine.warmup import warmup
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.protocol import GenerateRequest, SamplingParams
+from engine.warmup import warmup
 
 
 def tiny_core(tiny, **overrides):
@@ -68,7 +68,9 @@ def test_context_bounds_pick_the_graph_and_agree(tiny):
     longest context is chosen, and both give the same logits."""
     core = tiny_core(tiny)
     runner = core.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, runner.block_size, 1024, [1, 2, 4], capture=False)
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, runner.device, runner.block_size, 1024, [1, 2, 4], capture=False,
+    )
     assert graphs.capacity == 4096 and graphs.context_bounds == [FUSED_DECODE_MAX_CONTEXT, 4096]
     assert graphs.graph_key(3, FUSED_DECODE_MAX_CONTEXT) == (4, FUSED_DECODE_MAX_CONTEXT)
     assert graphs.graph_key(1, FUSED_DECODE_MAX_CONTEXT + 1) == (1, 4096)
@@ -154,7 +156,8 @@ def test_kv_sizing_and_kernel_backend_settings():
     assert EngineConfig(model="m", device="cuda").resolved_kernel_backend == "triton"
     assert EngineConfig(model="m", device="cuda", kernel_backend="torch").resolved_kernel_backend == "torch"
     args = build_parser().parse_args(
-        ["generate", "--model", "tiny", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--kernel-backend", "triton"]
+        ["generate", "--model", "tiny", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+         "--kernel-backend", "triton"]
     )
     assert (args.gpu_memory_utilization, args.enforce_eager, args.kernel_backend) == (0.5, True, "triton")
     for bad in ({"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5}, {"kernel_backend": "cuda"},

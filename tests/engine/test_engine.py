@@ -128,12 +128,15 @@ def test_seeded_sampling_is_independent_of_batch_composition(tiny):
 
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny):
     core = tiny_core(tiny)
-    probe = run(core, [GenerateRequest("probe", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))])
+    probe = run(core, [
+        GenerateRequest("probe", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+    ])
     tokens = probe["probe"]["tokens"]
     stop_at = tokens[3]
     first = tokens.index(stop_at)
     out = run(core, [
-        GenerateRequest("stop", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True)),
+        GenerateRequest("stop", [5, 6, 7],
+                        SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True)),
     ])["stop"]
     assert out["finish"] == "stop" and out["tokens"] == tokens[: first + 1]
     out = run(core, [

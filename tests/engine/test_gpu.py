@@ -12,8 +12,8 @@ import torch
 from benchmarks.hf_twin import hf_twin
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.warmup import warmup
 from engine.protocol import GenerateRequest, SamplingParams
+from engine.warmup import warmup
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,7 +22,9 @@ NUM_PROMPTS, NEW_TOKENS = 20, 64
 UTILIZATION = 0.3
 
 
-def generate(core: EngineCore, prompts: list[list[int]], sampling: SamplingParams, prefix: str = "p") -> list[list[int]]:
+def generate(
+    core: EngineCore, prompts: list[list[int]], sampling: SamplingParams, prefix: str = "p"
+) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         core.add_request(GenerateRequest(f"{prefix}{i}", prompt, sampling))
     out: dict[str, list[int]] = {}

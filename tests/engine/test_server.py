@@ -77,7 +77,8 @@ def assert_all_blocks_free(url):
 
 
 def test_generate_streams_frames_with_counts(engine_url):
-    req = GenerateRequest("r1", list(range(100, 140)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2))
+    req = GenerateRequest("r1", list(range(100, 140)),
+                          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2))
     resp = post(engine_url, req.pack())
     assert resp.status_code == 200 and resp.headers["content-type"] == "application/x-msgpack"
     frames = frames_of(resp)
@@ -96,7 +97,8 @@ def test_generate_streams_frames_with_counts(engine_url):
 
 
 def test_n_sequences_share_the_prompt_cache(engine_url):
-    req = GenerateRequest("n3", list(range(200, 250)), SamplingParams(max_tokens=4, temperature=1.0, seed=7, n=3, ignore_eos=True))
+    req = GenerateRequest("n3", list(range(200, 250)),
+                          SamplingParams(max_tokens=4, temperature=1.0, seed=7, n=3, ignore_eos=True))
     frames = frames_of(post(engine_url, req.pack()))
     by_index = {i: [t for f in frames if f.index == i for t in f.token_ids] for i in range(3)}
     assert all(len(toks) == 4 for toks in by_index.values())

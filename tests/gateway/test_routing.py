@@ -7,7 +7,6 @@ import json
 import httpx
 import msgpack
 import pytest
-
 from stats_testing import engine_stats
 
 from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError, SamplingParams, TokenLogprob

@@ -102,7 +102,7 @@ def probed_boundaries(tok: Tokenizer, messages: list[dict]) -> list[int]:
     for probe in ([messages[:num_system]] if 0 < num_system < len(messages) else []) + [messages]:
         try:
             probe_text = tok.render(probe, add_generation_prompt=False)
-        except Exception:  # noqa: BLE001 — the template refuses the partial conversation
+        except Exception:
             continue
         probe_ids = tok.encode(probe_text, False)
         n = len(probe_ids)

@@ -20,7 +20,6 @@ from kernel_cases import (
 from kernels import triton_ops
 from kernels.triton_ops import _launch, attention
 
-
 DECODE_CONTEXTS = [1, 17, 64, 99]  # a single key, block boundaries, an odd multi-block length
 # (context length, new tokens): a fresh prompt, chunks over cached prefixes, a decode, an idle row.
 MIXED = [(64, 64), (50, 33), (100, 3), (20, 1), (30, 0)]

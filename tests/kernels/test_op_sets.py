@@ -45,7 +45,8 @@ def model_step(model, caches, tables: list[list[int]], starts: list[int], chunks
     width = max(map(len, tables))
     attn = AttentionMetadata(
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
         slot_mapping=torch.tensor(slots), seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start,
         max_query_len=max(map(len, chunks)), max_seq_len=max(seq_lens),
     )

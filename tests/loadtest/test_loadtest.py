@@ -243,7 +243,8 @@ def test_compare_against_round_robin():
     def policy(p50: float, p90: float) -> dict:
         return {"ttft_ms": {"p50": p50, "p90": p90}}
 
-    out = report.compare({"round-robin": policy(1000, 5000), "prefix": policy(250, 500), "least-load": policy(500, None)})
+    out = report.compare({"round-robin": policy(1000, 5000), "prefix": policy(250, 500),
+                          "least-load": policy(500, None)})
     assert out["vs_round-robin"]["prefix"] == {"ttft_p50_speedup": 4.0, "ttft_p90_speedup": 10.0}
     assert out["vs_round-robin"]["least-load"] == {"ttft_p50_speedup": 2.0, "ttft_p90_speedup": None}
     assert "round-robin" not in out["vs_round-robin"]
@@ -380,7 +381,8 @@ def test_ab_smoke_one_engine_one_user(tmp_path: Path):
     assert max(origins[1:]) - min(origins[1:]) < 1e-3
     # The gateway's own request lines, in the same order: the client saw the same usage, and its TTFT
     # clock (started before the gateway's, read after the gateway saw the token) can only be longer.
-    lines = [json.loads(x) for x in (out / "least-load" / "gateway-0.log").read_text().splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in (out / "least-load" / "gateway-0.log").read_text().splitlines()
+             if x.startswith("{")]
     served = [x for x in lines if x.get("event") == "request"]
     assert len(served) == len(records)
     for r, g in zip(records, served):

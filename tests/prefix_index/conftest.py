@@ -11,6 +11,7 @@ from index_testing import SHARED_REDIS_URL, RedisServer, delete_namespace, free_
 
 from prefix_index.index import PrefixIndex, open_index
 
+
 @pytest.fixture(params=["memory", "redis"])
 def backend_url(request: pytest.FixtureRequest) -> str:
     if request.param == "memory":

@@ -335,7 +335,7 @@ def _writer_thread(backend_url, namespace, replica_id, h, depths, errors: list[B
 
     try:
         asyncio.run(main())
-    except BaseException as e:  # noqa: BLE001 - reported by the main thread
+    except BaseException as e:
         errors.append(e)
 
 
