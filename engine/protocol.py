@@ -25,6 +25,8 @@ import msgpack
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_BYTES = 1 << 20
 MSGPACK = "application/x-msgpack"  # content type of /generate requests and responses
 
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
@@ -51,6 +53,23 @@ class ProtocolError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output that the engine compiles (xgrammar) and applies as a token mask.
+
+    ``kind`` is one of :data:`STRUCTURED_KINDS`; ``spec`` is its text: a JSON schema (JSON text) for
+    json_schema, empty for json_object (any JSON object), a regular expression for regex, a JSON list of
+    strings for choice, an EBNF grammar (GBNF style, root rule ``root``) for grammar. A constrained
+    sequence ends with "stop" once the grammar has accepted its output and the model emits EOS (or the
+    grammar admits nothing more)."""
+
+    kind: str
+    spec: str = ""
+
+    def to_wire(self) -> dict[str, str]:
+        return {"kind": self.kind, "spec": self.spec}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -68,6 +87,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,10 +105,13 @@ class GenerateRequest:
     def to_wire(self) -> dict[str, Any]:
         # shallow on purpose: asdict() would deep-copy every prompt token (13 ms for 8K tokens)
         sampling = self.sampling
+        sampling_wire = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
+        if sampling.structured is not None:
+            sampling_wire["structured"] = sampling.structured.to_wire()
         return {
             "request_id": self.request_id,
             "prompt_ids": self.prompt_ids,
-            "sampling": {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)},
+            "sampling": sampling_wire,
             "salt": self.salt,
             "cache_boundaries": self.cache_boundaries,
         }
@@ -304,7 +327,26 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
             )
             for tok, value in bias.items()
         }
+    if wire.get("structured") is not None:
+        p.structured = _parse_structured(wire["structured"])
     return p
+
+
+def _parse_structured(wire: Any) -> StructuredOutput:
+    """The wire form of :class:`StructuredOutput`; only its shape is checked here: whether ``spec`` is
+    a valid schema, regex or grammar is the compiler's answer."""
+    if not isinstance(wire, dict) or set(wire) - {"kind", "spec"}:
+        raise ProtocolError('structured must be a map {"kind", "spec"}', "structured")
+    kind, spec = wire.get("kind"), wire.get("spec", "")
+    if kind not in STRUCTURED_KINDS:
+        raise ProtocolError(f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}, got {kind!r}",
+                            "structured")
+    if not isinstance(spec, str) or len(spec.encode()) > MAX_STRUCTURED_SPEC_BYTES:
+        raise ProtocolError(f"structured spec must be a string of at most {MAX_STRUCTURED_SPEC_BYTES} bytes",
+                            "structured")
+    if kind != "json_object" and not spec:
+        raise ProtocolError(f"structured kind {kind} needs a spec", "structured")
+    return StructuredOutput(kind, spec)
 
 
 def parse_generate_request(wire: Any, limits: ModelLimits) -> GenerateRequest:
