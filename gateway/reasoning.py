@@ -47,14 +47,14 @@ class ReasoningParser:
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []
-        content: list[str] = []
+        content = ""
         if self._state == _OPENING:
             self._open(final)
         if self._state == _REASONING:
             i = self._buf.find(self.end)
             if i >= 0:
                 self._reason(self._buf[:i], reasoning)
-                self._buf, self._pending, self._state = self._buf[i + len(self.end):], "", _CONTENT_START
+                self._buf, self._state = self._buf[i + len(self.end):], _CONTENT_START  # trailing whitespace: dropped
             else:
                 cut = len(self._buf) - (0 if final else partial_suffix(self._buf, self.end))
                 self._reason(self._buf[:cut], reasoning)
@@ -64,9 +64,8 @@ class ReasoningParser:
             if self._buf:
                 self._state = _CONTENT
         if self._state == _CONTENT:
-            content.append(self._buf)
-            self._buf = ""
-        return "".join(reasoning), "".join(content)
+            content, self._buf = self._buf, ""
+        return "".join(reasoning), content
 
     def _open(self, final: bool) -> None:
         """Decide, once the opening text allows it, whether the output starts in reasoning."""

@@ -155,7 +155,7 @@ def _loads(text: str) -> Any:
     """``json.loads``, None when the text is not strict JSON (NaN and Infinity included)."""
     try:
         return json.loads(text, parse_constant=_no_constant)
-    except ValueError:  # JSONDecodeError is one; RecursionError on absurd nesting is caught by the caller
+    except ValueError:  # JSONDecodeError is one; RecursionError is left to _safe_parse
         return None
 
 
@@ -238,20 +238,13 @@ class _BlockParser(ToolCallParser):
     def _safe_parse(self, block: str) -> list[tuple[str, str]] | None:
         """The block's calls with their arguments serialized; None if any of them is not a valid call."""
         try:
-            parsed = self._parse_block(block)
-        except RecursionError:  # absurdly nested JSON
+            calls = [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in
+                     self._parse_block(block) or ()]
+            for _, arguments in calls:
+                arguments.encode()  # a lone surrogate escape ("\ud800") cannot go out as UTF-8
+        except (RecursionError, UnicodeEncodeError):  # (RecursionError: absurdly nested JSON)
             return None
-        if not parsed:
-            return None
-        calls = []
-        for name, arguments in parsed:
-            text = json.dumps(arguments, ensure_ascii=False)
-            try:
-                text.encode()
-            except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") cannot go out as UTF-8
-                return None
-            calls.append((name, text))
-        return calls
+        return calls or None
 
     def _text(self, text: str, out: list[str]) -> None:
         text = self._pending + text
