@@ -69,8 +69,8 @@ class ToolUse:
             schema = required_calls_schema(self)
         else:
             return None
-        return Constraint(StructuredOutput("json_schema", schema_text(schema)), "tools",
-                          f"the schema of the calls that tool_choice {self.mode} enforces is not valid")
+        return Constraint(StructuredOutput("json_schema", schema_text(schema)), "tool_choice",
+                          "the schema of the calls that tool_choice enforces is not valid")
 
     def checks(self) -> list[Constraint]:
         """Each tool's parameters as a JSON schema to check."""

@@ -234,8 +234,7 @@ class Tokenizer:
         num_system = 0
         while num_system < len(messages) and messages[num_system]["role"] == "system":
             num_system += 1
-        # with no system message, a template may still write the tools there: probe no messages at all
-        if num_system < len(messages) and (num_system or context.get("tools")):
+        if 0 < num_system < len(messages):
             key = json.dumps([messages[:num_system], context], ensure_ascii=False)
             self._add_boundary(boundaries, self._token_prefix(self._probe_tokens(key), text, ids), len(ids))
         last_text = self._render_probe(messages, context)
