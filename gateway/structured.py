@@ -31,6 +31,7 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 # xgrammar's errors start with "[time] /path/file.cc:line: " and sometimes "Check failed: (...) is false: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 _REF_PREFIXES = ("#/$defs/", "#/definitions/")
+_CACHED_SPEC_CHARS = 64 * 1024  # larger specs are checked each time rather than kept
 
 
 class Constraint(NamedTuple):
@@ -133,10 +134,14 @@ def check_grammars(checks: Sequence[Constraint]) -> None:
             raise APIError(400, f"{check.what}: {error}", param=check.param)
 
 
-@functools.lru_cache(maxsize=1024)
 def _grammar_error(kind: str, spec: str) -> str | None:
-    """Why the spec does not compile (xgrammar's first line), or None; cached: agents resend their specs."""
-    import xgrammar as xgr
+    """Why the spec does not compile, or None; cached but for huge specs: agents resend theirs."""
+    return _compile_error(kind, spec) if len(spec) > _CACHED_SPEC_CHARS else _cached_compile_error(kind, spec)
+
+
+def _compile_error(kind: str, spec: str) -> str | None:
+    """xgrammar's reason (its first line, without the source location) or None."""
+    import xgrammar as xgr  # on first use: it imports torch, which the gateway otherwise never loads
 
     compile_spec = {"json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex,
                     "grammar": xgr.Grammar.from_ebnf}.get(kind)
@@ -147,6 +152,9 @@ def _grammar_error(kind: str, spec: str) -> str | None:
     except (RuntimeError, ValueError, TypeError) as exc:
         return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).splitlines()[0]
     return None
+
+
+_cached_compile_error = functools.lru_cache(maxsize=1024)(_compile_error)
 
 
 def new_call_id() -> str:

@@ -212,7 +212,7 @@ class Tokenizer:
         except jinja2.TemplateError as exc:  # the template's raise_exception(): a message the model rejects
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def template_inputs(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+    def _template_inputs(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
                         template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict]:
         """The messages and variables the template renders: the tools in ``tools`` for a template that
         uses them, else written into the messages (:func:`hermes_tool_messages`)."""
@@ -227,7 +227,7 @@ class Tokenizer:
                     template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
         """Render and tokenize, and probe where the system prompt (with the tools the template puts
         there) and the last message end."""
-        messages, context = self.template_inputs(messages, tools, template_kwargs)
+        messages, context = self._template_inputs(messages, tools, template_kwargs)
         text = self.render(messages, context=context)
         ids, tail, tail_start = self._encode_continuing(messages, text, context)
         boundaries: list[int] = []

@@ -17,8 +17,10 @@ from pydantic import BaseModel, Field
 from test_tokenizer import RecordingBackend, make_template_tokenizer  # noqa: F401 — a fixture
 
 from engine.protocol import ModelLimits, StructuredOutput
+from gateway.config import ConfigError, load_config
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving import tool_call_parser_name
 from gateway.structured import NO_PARAMETERS, check_grammars, schema_text
 from gateway.tokenizer import Tokenizer
 
@@ -156,7 +158,8 @@ def test_contradicting_constraints_are_400s(fields, param, fragment):
 def test_grammar_checks_name_the_field():
     cases = [
         (request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectz"}}}),
-         "response_format", 'response_format.json_schema.schema is not a valid JSON schema: Unsupported type "objectz"'),
+         "response_format",
+         'response_format.json_schema.schema is not a valid JSON schema: Unsupported type "objectz"'),
         (request(structured_outputs={"regex": "(?=a)b"}), "structured_outputs",
          "structured_outputs.regex is not a supported regular expression: Regex parsing error at position 3: "
          "Lookahead is not supported yet."),
@@ -496,3 +499,15 @@ def test_constrained_structured_outputs_regex_and_choice(gateway):
         resp = sdk.chat.completions.create(model="tiny", messages=[USER], max_tokens=50, temperature=1.0, seed=1,
                                            extra_body={"structured_outputs": body})
         assert check(resp.choices[0].message.content) and resp.choices[0].finish_reason == "stop"
+
+
+def test_parser_settings(tokenizer):
+    config = load_config(["--engine", "http://127.0.0.1:1"], environ={})
+    assert (config.tool_call_parser, config.reasoning_parser) == ("auto", "none")
+    config = load_config(["--engine", "http://127.0.0.1:1", "--tool-call-parser", "hermes"],
+                         environ={"KVGATE_REASONING_PARSER": "qwen3"})
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
+    with pytest.raises(ConfigError, match="--tool-call-parser='nope': must be one of auto, "):
+        load_config(["--engine", "http://127.0.0.1:1", "--tool-call-parser", "nope"], environ={})
+    assert tool_call_parser_name("auto", tokenizer.chat_template) == "hermes"  # the format it is given tools in
+    assert tool_call_parser_name("hermes", None) == "hermes"
