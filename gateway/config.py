@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from engine.logs import LOG_LEVELS
 from engine.protocol import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path
+from gateway.reasoning import REASONING_PARSERS
 from gateway.router import ROUTERS
 from gateway.settings import (
     ConfigError,
@@ -35,6 +36,7 @@ from gateway.settings import (
     read,
 )
 from gateway.spawn import SpawnConfig
+from gateway.tool_parsers import TOOL_PARSERS
 
 INDEX_SCHEMES = ("memory", "redis", "rediss", "unix")
 
@@ -150,6 +152,13 @@ _SETTINGS: tuple[Setting, ...] = (
             "when it has one, else the SmolLM2 GGUF)", existing_path, None, metavar="PATH", group="tokenizer"),
     Setting("cache_dir", "where converted tokenizers are cached", str, "~/.cache/kvgate",
             metavar="PATH", group="tokenizer"),
+    Setting("tool_call_parser", "format of the model's tool calls, parsed into message.tool_calls with tools "
+            "and tool_choice auto; auto: detected from the chat template, else hermes (how a template that "
+            "does not render tools gets them)", choice(("auto", *TOOL_PARSERS)), "auto", metavar="NAME",
+            group="tokenizer"),
+    Setting("reasoning_parser", "split <think>...</think> reasoning into message.reasoning_content "
+            "(Qwen3 / DeepSeek-R1 style); none: the text stays content", choice(("none", *REASONING_PARSERS)),
+            "none", metavar="NAME", group="tokenizer"),
 )
 _DEFAULTS = {s.dest: s.default for s in _SETTINGS}
 
@@ -159,7 +168,7 @@ _GROUPS = {
     "engines": "engines and routing",
     "spawn": "spawned engines (with --spawn-engines: `python -m engine serve` flags, unset ones keep the "
              "engine's defaults; see its --help)",
-    "tokenizer": "tokenizer",
+    "tokenizer": "tokenizer and the model's text formats",
 }
 
 
@@ -187,6 +196,8 @@ class GatewayConfig:
     max_body_bytes: int = _DEFAULTS["max_body_bytes"]
     log_level: str = _DEFAULTS["log_level"]
     cache_dir: Path = Path(_DEFAULTS["cache_dir"])
+    tool_call_parser: str = _DEFAULTS["tool_call_parser"]
+    reasoning_parser: str = _DEFAULTS["reasoning_parser"]
     engine_startup_timeout: float = _DEFAULTS["engine_startup_timeout"]
     health_interval: float = _DEFAULTS["health_interval"]
 
@@ -202,6 +213,7 @@ class GatewayConfig:
             "root_path": self.root_path,
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
             "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
+            "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
         }
 
 

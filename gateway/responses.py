@@ -77,7 +77,8 @@ class ResponseShape(ABC, Generic[_Req]):
         for choice in self._opening(run):
             yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
         async for d in run.deltas():
-            yield f'data: {head},"choices":[{dumps(self._delta(d, run.logprobs))}]{tail}'
+            for choice in self._deltas(d, run.logprobs):
+                yield f'data: {head},"choices":[{dumps(choice)}]{tail}'
         if include_usage:
             yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
         yield "data: [DONE]\n\n"
@@ -90,7 +91,8 @@ class ResponseShape(ABC, Generic[_Req]):
     def _choice(self, c: Choice, logprobs: bool) -> dict: ...
 
     @abstractmethod
-    def _delta(self, d: Delta, logprobs: bool) -> dict: ...
+    def _deltas(self, d: Delta, logprobs: bool) -> list[dict]:
+        """The chunk choices of one delta (one SSE event each), the finish reason on the last."""
 
 
 class ChatShape(ResponseShape[ChatCompletionRequest]):
@@ -103,14 +105,46 @@ class ChatShape(ResponseShape[ChatCompletionRequest]):
                  "finish_reason": None} for c in run.choices]
 
     def _choice(self, c: Choice, logprobs: bool) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.seq.text},
+        return {"index": c.index, "message": self._message(c),
                 "logprobs": {"content": self._logprobs(c.lp_tokens, c.lp_values)} if logprobs else None,
                 "finish_reason": c.finish_reason}
 
-    def _delta(self, d: Delta, logprobs: bool) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": {"content": self._logprobs(d.token_ids, d.logprobs)} if logprobs else None,
-                "finish_reason": d.finish_reason}
+    @staticmethod
+    def _message(c: Choice) -> dict:
+        out = c.output
+        if out is None:
+            return {"role": "assistant", "content": c.seq.text}
+        content = "".join(out.content)
+        calls = out.calls
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls and not content.strip() else content}
+        if out.reasoning_parser is not None:
+            message["reasoning_content"] = "".join(out.reasoning) or None
+        if calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in calls]
+        return message
+
+    def _deltas(self, d: Delta, logprobs: bool) -> list[dict]:
+        # As OpenAI streams them: reasoning and content apart; a call's id and name first (arguments
+        # ""), then its argument chunks, each in a chunk of its own.
+        deltas: list[dict] = []
+        if d.reasoning:
+            deltas.append({"reasoning_content": d.reasoning})
+        if d.text:
+            deltas.append({"content": d.text})
+        for call in d.tool_calls:
+            if call.id is not None:
+                deltas.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            if call.arguments:
+                deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})
+        chunks = [{"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
+                  for delta in deltas or [{}]]
+        if logprobs:
+            chunks[0]["logprobs"] = {"content": self._logprobs(d.token_ids, d.logprobs)}
+        chunks[-1]["finish_reason"] = d.finish_reason
+        return chunks
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[dict]:
         tok = self.tokenizer
@@ -131,10 +165,10 @@ class CompletionShape(ResponseShape[CompletionRequest]):
                 "logprobs": self._logprobs(c.lp_tokens, c.lp_values, c.lp_offsets) if logprobs else None,
                 "finish_reason": c.finish_reason}
 
-    def _delta(self, d: Delta, logprobs: bool) -> dict:
-        return {"index": d.index, "text": d.text,
-                "logprobs": self._logprobs(d.token_ids, d.logprobs, d.offsets) if logprobs else None,
-                "finish_reason": d.finish_reason}
+    def _deltas(self, d: Delta, logprobs: bool) -> list[dict]:
+        return [{"index": d.index, "text": d.text,
+                 "logprobs": self._logprobs(d.token_ids, d.logprobs, d.offsets) if logprobs else None,
+                 "finish_reason": d.finish_reason}]
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], offsets: list[int]) -> dict:
         tok = self.tokenizer

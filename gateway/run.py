@@ -2,9 +2,11 @@
 
 A run has one *job* (engine request) per prompt and n *choices* (sequences) per job. Frames of all jobs
 are merged as they come; each goes through its choice's incremental detokenization and stop strings
-(:class:`SequenceText`) and becomes a :class:`Delta`. A choice that hit a stop string ignores its later
-frames; when every choice of a job is done its stream is closed, which aborts what the engine still
-runs for it. Closing the streams at the end of the request is the caller's job (``Serving._finish``).
+(:class:`SequenceText`), then, for a chat choice with tools or reasoning, its :class:`ChoiceOutput`
+(reasoning parser, then tool-call parser), and becomes a :class:`Delta`. A choice that hit a stop string
+ignores its later frames; when every choice of a job is done its stream is closed, which aborts what the
+engine still runs for it. Closing the streams at the end of the request is the caller's job
+(``Serving._finish``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 
@@ -22,6 +24,8 @@ from engine.protocol import GenerateRequest, OutputFrame, TokenLogprob
 from gateway.detokenizer import SequenceText
 from gateway.dispatch import RoutedStream
 from gateway.engine_client import EngineFailed
+from gateway.reasoning import ReasoningParser
+from gateway.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta
 
 
 class Delta(NamedTuple):
@@ -33,12 +37,66 @@ class Delta(NamedTuple):
     logprobs: list[TokenLogprob] | None
     offsets: list[int]  # text offset where each consumed token starts
     finish_reason: str | None
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+class CallParser(Protocol):
+    """What turns a choice's content into tool calls: a :class:`gateway.tool_parsers.ToolCallParser`,
+    or one of :mod:`gateway.structured`'s parsers of grammar-forced calls."""
+
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    def finish(self) -> ParsedDelta: ...
+
+    @property
+    def calls(self) -> list[ToolCall]: ...
+
+
+class ChoiceOutput:
+    """One choice's text split as it comes: reasoning first (``reasoning``, if the request has a
+    reasoning parser), then tool calls out of the rest (``calls``); what remains is content. Keeps the
+    whole reasoning and content for a non-streamed answer. ``max_calls`` (1 without parallel tool
+    calls) drops the calls after it."""
+
+    def __init__(self, reasoning: ReasoningParser | None = None, calls: CallParser | None = None,
+                 max_calls: int | None = None):
+        self.reasoning_parser = reasoning
+        self.call_parser = calls
+        self.max_calls = max_calls
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        calls = self.call_parser.calls if self.call_parser is not None else []
+        return calls[:self.max_calls] if self.max_calls is not None else calls
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, tuple[ToolCallDelta, ...]]:
+        """(reasoning, content, tool-call deltas) of the next text; ``final`` flushes the parsers."""
+        reasoning, content = self.reasoning_parser.feed(text) if self.reasoning_parser else ("", text)
+        if final and self.reasoning_parser is not None:
+            more_reasoning, more_content = self.reasoning_parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: tuple[ToolCallDelta, ...] = ()
+        if self.call_parser is not None:
+            parsed = self.call_parser.feed(content)
+            content, calls = parsed.content, parsed.tool_calls
+            if final:
+                rest = self.call_parser.finish()
+                content, calls = content + rest.content, calls + rest.tool_calls
+            if self.max_calls is not None:
+                calls = tuple(c for c in calls if c.index < self.max_calls)
+        self.reasoning.append(reasoning)
+        self.content.append(content)
+        return reasoning, content, calls
 
 
 @dataclass(slots=True)
 class Choice:
     index: int
     seq: SequenceText
+    output: ChoiceOutput | None = None  # None: the text is the content as it is
     finish_reason: str | None = None
     # accumulated for a non-streamed response with logprobs
     lp_tokens: list[int] = field(default_factory=list)
@@ -162,10 +220,15 @@ class Run:
             self.first_token_at = time.perf_counter()
         finish = "stop" if seq.stopped else frame.finish_reason
         text = seq.finish() if finish else seq.release()
+        reasoning, calls = "", ()
+        if choice.output is not None:
+            reasoning, text, calls = choice.output.feed(text, final=finish is not None)
+            if finish == "stop" and choice.output.calls:
+                finish = "tool_calls"
         if finish:
             choice.finish_reason = finish
             job.open -= 1
-        elif not text and not offsets:
+        elif not text and not offsets and not reasoning and not calls:
             return None
         consumed = len(offsets)
         token_ids = frame.token_ids if consumed == len(frame.token_ids) else frame.token_ids[:consumed]
@@ -174,4 +237,4 @@ class Run:
             if frame.logprobs is None and consumed:
                 raise EngineFailed("engine sent no logprobs although they were asked for")
             logprobs = (frame.logprobs or [])[:consumed]
-        return Delta(choice.index, text, token_ids, logprobs, offsets, finish)
+        return Delta(choice.index, text, token_ids, logprobs, offsets, finish, reasoning, calls)

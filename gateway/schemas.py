@@ -1,19 +1,23 @@
 """OpenAI request models (pydantic, strict) and their conversion into engine sampling parameters.
 
-Unknown fields are rejected by name; known OpenAI fields this server does not implement (tools,
-response_format other than text, echo, image parts, ...) are rejected by name too, never ignored.
-Numeric ranges are checked by :func:`engine.protocol.parse_sampling`, so gateway and engine reject
-the same inputs with the same words.
+Unknown fields are rejected by name; known OpenAI fields this server does not implement (legacy
+functions, echo, image parts, ...) are rejected by name too, never ignored. Numeric ranges are checked
+by :func:`engine.protocol.parse_sampling`, so gateway and engine reject the same inputs with the same
+words. Tools, ``tool_choice``, ``response_format`` and vLLM's ``structured_outputs`` become one output
+constraint (:mod:`gateway.structured`); whether its grammar compiles is checked by the caller.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.protocol import ModelLimits, ProtocolError, SamplingParams, parse_sampling
+from engine.protocol import ModelLimits, ProtocolError, SamplingParams, StructuredOutput, parse_sampling
 from gateway.errors import APIError
+from gateway.structured import Constraint, ToolUse, schema_text
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -37,16 +41,104 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = _unsupported()
-    tool_call_id: Any = _unsupported()
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an answer's reasoning sent back (vLLM): templates may render it
     function_call: Any = _unsupported()
     audio: Any = _unsupported()
     refusal: Any = _unsupported()
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+_VALID = {"json_schema": "a valid JSON schema", "regex": "a supported regular expression",
+          "grammar": "a valid EBNF grammar", "choice": "a list of strings"}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, a regex, a list of choices or an
+    EBNF grammar."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> Constraint:
+        given = [(kind, value) for kind, value in (("json_schema", self.json_), ("regex", self.regex),
+                                                   ("choice", self.choice), ("grammar", self.grammar))
+                 if value is not None]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs must set exactly one of json, regex, choice and grammar",
+                           param="structured_outputs")
+        ((kind, value),) = given
+        if kind == "choice" and not value:
+            raise APIError(400, "structured_outputs.choice must not be empty", param="structured_outputs")
+        if kind == "json_schema":
+            spec = value if isinstance(value, str) else schema_text(value)
+        else:
+            spec = json.dumps(value, ensure_ascii=False) if kind == "choice" else value
+        field = "json" if kind == "json_schema" else kind
+        return Constraint(StructuredOutput(kind, spec), "structured_outputs",
+                          f"structured_outputs.{field} is not {_VALID[kind]}")
 
 
 class SamplingFields(BaseModel):
@@ -73,6 +165,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}  # field -> the one non-null value still accepted
 
@@ -90,6 +183,22 @@ class SamplingFields(BaseModel):
             raise APIError(400, "stop strings must not be empty", param="stop")
         return stops
 
+    @functools.cached_property
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request asks for, if any; 400 for two of them."""
+        given = [c for c in self._constraints() if c is not None]
+        if len(given) > 1:
+            raise APIError(400, f"{given[1].param} cannot be combined with {given[0].param}", param=given[1].param)
+        return given[0] if given else None
+
+    def _constraints(self) -> list[Constraint | None]:
+        """Every field's constraint, None for the fields that ask for none."""
+        return [self.structured_outputs.constraint() if self.structured_outputs is not None else None]
+
+    def grammar_checks(self) -> list[Constraint]:
+        """The specs to compile (:func:`gateway.structured.check_grammars`) before the request is sent."""
+        return [self.constraint] if self.constraint is not None else []
+
     def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_len: int,
                  limits: ModelLimits, logprobs_param: str) -> SamplingParams:
         """Engine sampling parameters; raises 400 for out-of-range values and prompts that do not fit."""
@@ -106,10 +215,14 @@ class SamplingFields(BaseModel):
                 wire[name] = value
         if logprobs is not None:
             wire["logprobs"] = logprobs
+        constraint = self.constraint
+        if constraint is not None:
+            wire["structured"] = constraint.structured.to_wire()
         try:
             return parse_sampling(wire, limits, prompt_len)
         except ProtocolError as exc:
-            param = logprobs_param if exc.param == "logprobs" else exc.param
+            named = {"logprobs": logprobs_param, "structured": constraint.param if constraint else None}
+            param = named.get(exc.param, exc.param)
             raise APIError(400, exc.message, param=param) from None
 
 
@@ -119,12 +232,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = _unsupported()
-    tool_choice: Any = _unsupported('"none"')
-    parallel_tool_calls: Any = _unsupported()
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template "
+                                                        "(vLLM's extra), e.g. enable_thinking")
     functions: Any = _unsupported()
     function_call: Any = _unsupported()
-    response_format: Any = _unsupported('{"type": "text"}')
     audio: Any = _unsupported()
     modalities: Any = _unsupported('["text"]')
     prediction: Any = _unsupported()
@@ -135,11 +250,12 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Any = _unsupported()
 
     UNSUPPORTED = {
-        "tools": None, "tool_choice": "none", "parallel_tool_calls": None, "functions": None,
-        "function_call": None, "response_format": {"type": "text"}, "audio": None, "modalities": ["text"],
-        "prediction": None, "reasoning_effort": None, "web_search_options": None, "store": None,
-        "metadata": None, "service_tier": None,
+        "functions": None, "function_call": None, "audio": None, "modalities": ["text"], "prediction": None,
+        "reasoning_effort": None, "web_search_options": None, "store": None, "metadata": None, "service_tier": None,
     }
+    # set by the template call itself: a kwarg of the same name would clash with it
+    RESERVED_TEMPLATE_KWARGS: ClassVar[frozenset[str]] = frozenset(
+        {"messages", "tools", "documents", "add_generation_prompt"})
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -149,33 +265,118 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template sees them: text content, developer as system."""
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = self.chat_template_kwargs or {}
+        clash = sorted(self.RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if clash:
+            raise APIError(400, f"chat_template_kwargs must not set {clash[0]!r}: the server sets it",
+                           param="chat_template_kwargs")
+        return kwargs
+
+    @functools.cached_property
+    def tool_use(self) -> ToolUse:
+        """The tools the template renders and what becomes of calls; 400 for a tool_choice the tools
+        do not allow. Without a tool_choice: auto with tools, else none (as OpenAI)."""
+        tools = tuple(_tool_dict(t) for t in self.tools or ())
+        names = [t["function"]["name"] for t in tools]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise APIError(400, f"tools: the function name {twice!r} is given twice", param="tools")
+        choice = self.tool_choice if self.tool_choice is not None else "auto" if tools else "none"
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not "
+                                    "among the tools", param="tool_choice")
+            return ToolUse("named", tools, choice.function.name, parallel)
+        if choice == "none":
+            return ToolUse("none")  # as OpenAI: the model must not call, so it is not shown the tools
+        if not tools:
+            raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
+        return ToolUse(choice, tools, parallel=parallel)
+
+    def _constraints(self) -> list[Constraint | None]:
+        return [self.tool_use.constraint(), self._response_format_constraint(), *super()._constraints()]
+
+    def _response_format_constraint(self) -> Constraint | None:
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        if (fmt.json_schema is None) == (fmt.type == "json_schema"):
+            raise APIError(400, "response_format.json_schema is required with type json_schema, and only then",
+                           param="response_format")
+        if fmt.type == "text":
+            return None
+        if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+            return Constraint(StructuredOutput("json_object"), "response_format", "response_format is not valid")
+        return Constraint(StructuredOutput("json_schema", schema_text(fmt.json_schema.schema_)), "response_format",
+                          "response_format.json_schema.schema is not a valid JSON schema")
+
+    def grammar_checks(self) -> list[Constraint]:
+        return [*self.tool_use.checks(), *super().grammar_checks()]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template sees them: text content, developer as system, tool calls with
+        their arguments as objects (templates write ``arguments | tojson``)."""
         out = []
         for i, m in enumerate(self.messages):
-            for name in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            for name in ("function_call", "audio", "refusal"):
                 if getattr(m, name) is not None:
                     raise APIError(400, f"messages[{i}].{name} is not supported by this server",
                                    param=f"messages[{i}].{name}")
-            if m.role == "tool":
-                raise APIError(400, "tool messages are not supported by this server", param=f"messages[{i}].role")
-            if m.content is None:
-                raise APIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
-            if isinstance(m.content, str):
-                text = m.content
-            else:
-                texts = []
-                for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
-                                       param=f"messages[{i}].content[{j}]")
-                    texts.append(part.text)
-                text = "\n".join(texts)
-            message = {"role": "system" if m.role == "developer" else m.role, "content": text}
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": _message_text(i, m)}
             if m.name is not None:
                 message["name"] = m.name
+            if (m.role == "tool") != (m.tool_call_id is not None):
+                raise APIError(400, f"messages[{i}].tool_call_id is required in tool messages, and only there",
+                               param=f"messages[{i}].tool_call_id")
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            for name in ("tool_calls", "reasoning_content"):
+                if getattr(m, name) is not None and m.role != "assistant":
+                    raise APIError(400, f"messages[{i}].{name}: only assistant messages have {name}",
+                                   param=f"messages[{i}].{name}")
+            if m.tool_calls:
+                message["tool_calls"] = [_template_tool_call(f"messages[{i}].tool_calls[{j}]", c)
+                                         for j, c in enumerate(m.tool_calls)]
+            if m.reasoning_content is not None:
+                message["reasoning_content"] = m.reasoning_content
             out.append(message)
         return out
+
+
+def _tool_dict(tool: Tool) -> dict[str, Any]:
+    """An OpenAI tool as the chat template sees it: the fields given, nothing null."""
+    f = tool.function
+    function = {"name": f.name, **{k: v for k, v in (("description", f.description), ("parameters", f.parameters),
+                                                      ("strict", f.strict)) if v is not None}}
+    return {"type": "function", "function": function}
+
+
+def _message_text(i: int, m: ChatMessage) -> str:
+    if m.content is None:
+        if m.tool_calls:
+            return ""  # an assistant message with only calls; "" as templates that concatenate need
+        raise APIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
+                           param=f"messages[{i}].content[{j}]")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _template_tool_call(where: str, call: MessageToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError(400, f"{where}.function.arguments is not valid JSON",
+                       param=f"{where}.function.arguments") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class CompletionRequest(SamplingFields):
@@ -211,6 +412,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 

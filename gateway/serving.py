@@ -2,7 +2,9 @@
 
 One OpenAI request becomes one engine request (a *job*) per prompt, with n sequences each
 (``sampling.n``); :mod:`gateway.run` turns their frames into deltas and :mod:`gateway.responses` those
-into JSON or SSE. Each API is one :class:`Endpoint`: its request model, its prompts and its response shape.
+into JSON or SSE. Each API is one :class:`Endpoint`: its request model, its plan (prompts, and how each
+choice's text is parsed: reasoning, tool calls) and its response shape. Output constraints are
+compiled once here, in a worker thread, so that a bad one is a 400 before anything is routed.
 Engine streams are opened before the response starts, so routing failures are plain HTTP errors;
 whatever happens afterwards, :meth:`Serving._finish` closes them exactly once.
 """
@@ -10,9 +12,10 @@ whatever happens afterwards, :meth:`Serving._finish` closes them exactly once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -28,11 +31,14 @@ from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord
+from gateway.reasoning import REASONING_PARSERS
 from gateway.replica import ModelInfo
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
-from gateway.run import Choice, Job, Run
+from gateway.run import CallParser, Choice, ChoiceOutput, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
+from gateway.structured import NamedCall, RequiredCalls, ToolUse, check_grammars
 from gateway.tokenizer import Tokenizer
+from gateway.tool_parsers import TOOL_PARSERS, detect_tool_parser
 
 RETRY_AFTER_BUSY = 1
 RETRY_AFTER_NO_ENGINE = 5
@@ -47,14 +53,30 @@ class Prompt(NamedTuple):
     sampling: SamplingParams
 
 
+class Plan(NamedTuple):
+    """What a request becomes: its engine requests' inputs, and a maker of each choice's output parsing
+    (None: the text is the content as it is)."""
+
+    prompts: list[Prompt]
+    output: Callable[[], ChoiceOutput] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint(Generic[_Req]):
-    """One OpenAI generation API: the request body it parses, the prompts a request becomes (tokenized,
-    with their sampling; 400 for what does not fit) and the shape of its answer."""
+    """One OpenAI generation API: the request body it parses, the plan a request becomes (prompts
+    tokenized, with their sampling; 400 for what does not fit) and the shape of its answer."""
 
     request_model: type[_Req]
-    prompts: Callable[[_Req], list[Prompt]]
+    plan: Callable[[_Req], Awaitable[Plan]]
     shape: ResponseShape[_Req]
+
+
+def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
+    """--tool-call-parser: "auto" is the template's format where that is unambiguous, else hermes (the
+    format in which a template that does not render tools gets them, see :mod:`gateway.tokenizer`)."""
+    if setting != "auto":
+        return setting
+    return detect_tool_parser(chat_template or "") or "hermes"
 
 
 class Serving:
@@ -69,9 +91,10 @@ class Serving:
         self.model_name = model_name
         self.metrics = metrics
         self.in_flight = 0
-        self._chat = Endpoint(ChatCompletionRequest, self._chat_prompts, ChatShape(tokenizer, model_name))
-        self._completions = Endpoint(CompletionRequest, self._completion_prompts,
-                                     CompletionShape(tokenizer, model_name))
+        self.tool_parser = TOOL_PARSERS[tool_call_parser_name(config.tool_call_parser, tokenizer.chat_template)]
+        self.reasoning_parser = REASONING_PARSERS.get(config.reasoning_parser)  # None: "none"
+        self._chat = Endpoint(ChatCompletionRequest, self._chat_plan, ChatShape(tokenizer, model_name))
+        self._completions = Endpoint(CompletionRequest, self._completion_plan, CompletionShape(tokenizer, model_name))
 
     # --- endpoints ---
 
@@ -90,7 +113,7 @@ class Serving:
         handed_off = False
         try:
             req = self._parse(endpoint.request_model, body)
-            run = self._build_run(req, endpoint.prompts(req), endpoint.shape.id_prefix, record)
+            run = self._build_run(req, await endpoint.plan(req), endpoint.shape.id_prefix, record)
             await self._route(run, record)
             headers = {"x-kvgate-replica": record.replica,
                        "x-kvgate-predicted-cached-tokens": str(record.predicted_cached_tokens)}
@@ -141,13 +164,36 @@ class Serving:
 
     # --- request → engine requests ---
 
-    def _chat_prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
-        chat = self.tokenizer.chat_prompt(req.template_messages())
+    async def _chat_plan(self, req: ChatCompletionRequest) -> Plan:
+        tools = req.tool_use
+        await self._check_grammars(req)
+        chat = self.tokenizer.chat_prompt(req.template_messages(), tools.tools, req.template_kwargs())
         sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(chat.token_ids), self.model.limits,
                                 "top_logprobs")
-        return [Prompt(chat.token_ids, chat.cache_boundaries, sampling)]
+        return Plan([Prompt(chat.token_ids, chat.cache_boundaries, sampling)], self._chat_output(req))
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
+    def _chat_output(self, req: ChatCompletionRequest) -> Callable[[], ChoiceOutput] | None:
+        """How each choice's text is parsed. A constrained output is what its grammar allows from the
+        first token, so it gets no reasoning parser; a forced call is parsed as the grammar writes it."""
+        tools = req.tool_use
+        reasoning = self.reasoning_parser if req.constraint is None else None
+        calls = self._call_parser(tools)
+        if reasoning is None and calls is None:
+            return None
+        max_calls = None if tools.parallel else 1
+        return lambda: ChoiceOutput(reasoning() if reasoning else None, calls() if calls else None, max_calls)
+
+    def _call_parser(self, tools: ToolUse) -> Callable[[], CallParser] | None:
+        if tools.mode == "auto":
+            return functools.partial(self.tool_parser, tools.names)
+        if tools.mode == "required":
+            return RequiredCalls
+        if tools.mode == "named":
+            return functools.partial(NamedCall, tools.name)
+        return None
+
+    async def _completion_plan(self, req: CompletionRequest) -> Plan:
+        await self._check_grammars(req)
         vocab = self.model.limits.vocab_size
         batch = []
         for prompt in req.prompts():
@@ -158,11 +204,19 @@ class Serving:
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             batch.append(prompt)
-        return [Prompt(ids, [], req.sampling(req.max_tokens, req.logprobs, len(ids), self.model.limits, "logprobs"))
-                for ids in batch]
+        return Plan([Prompt(ids, [], req.sampling(req.max_tokens, req.logprobs, len(ids), self.model.limits,
+                                                  "logprobs")) for ids in batch])
 
-    def _build_run(self, req: SamplingFields, prompts: list[Prompt], id_prefix: str, record: RequestRecord) -> Run:
+    @staticmethod
+    async def _check_grammars(req: SamplingFields) -> None:
+        """Compile the request's output constraints in a worker thread (a large schema takes ms)."""
+        checks = req.grammar_checks()
+        if checks:
+            await asyncio.to_thread(check_grammars, checks)
+
+    def _build_run(self, req: SamplingFields, plan: Plan, id_prefix: str, record: RequestRecord) -> Run:
         stops = req.stop_strings()
+        prompts = plan.prompts
         salt = None if self.config.shared_prefix_cache else record.tenant
         prefix = id_prefix + uuid.uuid4().hex
         jobs, choices = [], []
@@ -170,7 +224,8 @@ class Serving:
             n = prompt.sampling.n
             job_choices = [
                 Choice(p * n + i, SequenceText(self.tokenizer, prompt.token_ids, stops, req.include_stop_str_in_output,
-                                               req.skip_special_tokens, req.min_tokens))
+                                               req.skip_special_tokens, req.min_tokens),
+                       plan.output() if plan.output is not None else None)
                 for i in range(n)
             ]
             request_id = prefix if len(prompts) == 1 else f"{prefix}-{p}"

@@ -3,6 +3,13 @@
 The tokenizer and chat template come from the GGUF metadata or the HF directory, loaded once with
 transformers. Converting a GGUF vocabulary takes seconds, so the converted fast tokenizer is cached
 on disk. The hot path calls the Rust ``tokenizers.Tokenizer`` directly.
+
+Tools reach the prompt through the template: one that uses the ``tools`` variable gets them as
+``apply_chat_template(tools=...)`` does, with the history's tool calls and tool messages as they are. A
+template that does not (SmolLM2's) gets them the Hermes way, the format the ``hermes`` tool-call parser
+reads (:func:`hermes_tool_messages`): the tools block at the end of the system message (a system message
+of its own when there is none), an assistant's calls as ``<tool_call>`` lines in its content, and each
+run of tool results as one user message of ``<tool_response>`` blocks.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -17,10 +25,12 @@ import tempfile
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jinja2
+import jinja2.meta
 import structlog
 import tokenizers
 from tokenizers.decoders import ByteLevel
@@ -33,6 +43,13 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # A prompt continues a cached conversation when one of its last this many message prefixes is cached
 # (a new turn appends an answer and a user message; an agent's, tool calls and results too).
 CONTINUATION_LOOKBACK = 8
+HERMES_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+HERMES_TOOLS_FOOTER = (
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def load_hf_tokenizer(path: str, cache_dir: Path) -> Any:
@@ -137,6 +154,8 @@ class Tokenizer:
         # Its render_jinja_template wrapper deep-copies every message on each call: for our plain
         # string dicts a no-op that costs as much as the rendering itself.
         self._template = _compile_jinja_template(self.chat_template) if self.chat_template else None
+        self.renders_tools = self._template is not None and "tools" in jinja2.meta.find_undeclared_variables(
+            self._template.environment.parse(self.chat_template))
         self._added_tokens = self.backend.get_added_tokens_decoder()
         self._segment_starts: dict[int, bool] = {}
         self._conversations = ConversationTokens(conversation_cache_tokens)
@@ -181,28 +200,44 @@ class Tokenizer:
 
     # --- chat template ---
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Exactly ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               context: Mapping[str, Any] | None = None) -> str:
+        """Exactly ``apply_chat_template(messages, tokenize=False, add_generation_prompt=..., **context)``;
+        ``context`` holds ``tools`` and the request's chat_template_kwargs."""
         if self._template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        variables = {"tools": None, "documents": None, **self._template_kwargs, **(context or {})}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._template_kwargs)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:  # the template's raise_exception(): a message the model rejects
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> ChatPrompt:
-        """Render and tokenize, and probe where the system prompt and the last message end."""
-        text = self.render(messages)
-        ids, tail, tail_start = self._encode_continuing(messages, text)
+    def _template_inputs(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+                        template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict]:
+        """The messages and variables the template renders: the tools in ``tools`` for a template that
+        uses them, else written into the messages (:func:`hermes_tool_messages`)."""
+        context = dict(template_kwargs or {})
+        if not self.renders_tools:
+            return hermes_tool_messages(messages, tools), context
+        if tools:
+            context["tools"] = list(tools)
+        return messages, context
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+                    template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+        """Render and tokenize, and probe where the system prompt (with the tools the template puts
+        there) and the last message end."""
+        messages, context = self._template_inputs(messages, tools, template_kwargs)
+        text = self.render(messages, context=context)
+        ids, tail, tail_start = self._encode_continuing(messages, text, context)
         boundaries: list[int] = []
         num_system = 0
         while num_system < len(messages) and messages[num_system]["role"] == "system":
             num_system += 1
         if 0 < num_system < len(messages):
-            key = tuple(tuple(sorted(m.items())) for m in messages[:num_system])
+            key = json.dumps([messages[:num_system], context], ensure_ascii=False)
             self._add_boundary(boundaries, self._token_prefix(self._probe_tokens(key), text, ids), len(ids))
-        last_text = self._render_probe(messages)
+        last_text = self._render_probe(messages, context)
         if last_text is not None and text.startswith(last_text):
             end = self._split_before_added_token(tail, len(last_text) - tail_start)
             if end is None:  # no shortcut: tokenize the probe and compare
@@ -215,18 +250,18 @@ class Tokenizer:
         log.debug("cache_boundaries", boundaries=boundaries, prompt_tokens=len(ids))
         return ChatPrompt(text, ids, boundaries)
 
-    def _encode_continuing(self, messages: list[dict[str, Any]],
-                           text: str) -> tuple[list[int], tokenizers.Encoding, int]:
+    def _encode_continuing(self, messages: list[dict[str, Any]], text: str,
+                           context: Mapping[str, Any]) -> tuple[list[int], tokenizers.Encoding, int]:
         """The prompt's token ids, the encoding of the part tokenized now, and where in ``text`` it starts.
 
         When one of the last :data:`CONTINUATION_LOOKBACK` message prefixes is a cached conversation
         and the prompt goes on from its text with a token that always starts a segment
         (:meth:`_starts_segment`), only the rest is tokenized: the tokenizer splits the text there
         before anything else and tokenizes the pieces independently, so the ids are the cached ones
-        followed by the rest's.
+        followed by the rest's. The cache is keyed by the rendered text, which holds the tools.
         """
         for k in range(len(messages) - 1, max(0, len(messages) - 1 - CONTINUATION_LOOKBACK), -1):
-            prefix = self._render_probe(messages[:k])
+            prefix = self._render_probe(messages[:k], context)
             head = self._conversations.get(prefix) if prefix is not None and text.startswith(prefix) else None
             if head is not None:
                 tail = self.backend.encode(text[len(prefix):], add_special_tokens=False)
@@ -251,14 +286,15 @@ class Tokenizer:
             self._segment_starts[token_id] = known
         return known
 
-    def _probe_tokens_uncached(self, key: tuple) -> tuple[str, list[int]] | None:
-        text = self._render_probe([dict(items) for items in key])
+    def _probe_tokens_uncached(self, key: str) -> tuple[str, list[int]] | None:
+        """A system probe by its JSON key ``[messages, context]``."""
+        text = self._render_probe(*json.loads(key))
         return None if text is None else (text, self.encode(text, add_special_tokens=False))
 
-    def _render_probe(self, messages: list[dict[str, Any]]) -> str | None:
+    def _render_probe(self, messages: list[dict[str, Any]], context: Mapping[str, Any]) -> str | None:
         """The messages rendered without a generation prompt; None if the template refuses them."""
         try:
-            return self.render(messages, add_generation_prompt=False)
+            return self.render(messages, add_generation_prompt=False, context=context)
         except Exception:
             return None
 
@@ -292,3 +328,37 @@ class Tokenizer:
     def _add_boundary(boundaries: list[int], n: int | None, num_tokens: int) -> None:
         if n is not None and 0 < n < num_tokens and n not in boundaries:
             boundaries.append(n)
+
+
+def _tojson(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)  # as the templates' tojson filter writes it
+
+
+def hermes_tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools, the history's tool calls and tool results written into plain messages, the way Qwen2.5's
+    template writes them, for a template that does not render tools itself."""
+    out: list[dict[str, Any]] = []
+    previous_tool = False
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if previous_tool:  # a run of results is one user message, as parallel calls give them
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block})
+            previous_tool = True
+            continue
+        previous_tool = False
+        if m.get("tool_calls"):
+            calls = "\n".join(f"<tool_call>\n{_tojson({'name': f['name'], 'arguments': f['arguments']})}\n</tool_call>"
+                              for f in (c["function"] for c in m["tool_calls"]))
+            content = f"{m['content']}\n{calls}" if m["content"] else calls
+            m = {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": content}
+        out.append(m)
+    if tools:
+        block = "\n".join([HERMES_TOOLS_HEADER, *(_tojson(t) for t in tools), HERMES_TOOLS_FOOTER])
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out

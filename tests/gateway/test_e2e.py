@@ -296,7 +296,8 @@ def test_openapi_generated_from_the_request_models(gateway):
     doc = httpx.get(gateway.url + "/openapi.json", headers={"Authorization": f"Bearer {API_KEYS[1]}"}).json()
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert {"messages", "max_completion_tokens", "top_logprobs", "min_p", "stop_token_ids"} <= set(chat["properties"])
-    assert "tools" in chat["properties"] and "not supported" in chat["properties"]["tools"]["description"]
+    assert {"tools", "tool_choice", "response_format", "structured_outputs"} <= set(chat["properties"])
+    assert "not supported" in chat["properties"]["functions"]["description"]
     assert "/v1/completions" in doc["paths"]
 
 
