@@ -15,19 +15,16 @@ from __future__ import annotations
 import functools
 import json
 import re
-import secrets
-import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from engine.protocol import StructuredOutput
 from gateway.errors import APIError
-from gateway.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta
+from gateway.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta, new_call_id
 
 # A function without parameters takes an empty object (as OpenAI reads a missing ``parameters``).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-_ID_ALPHABET = string.ascii_letters + string.digits
 # xgrammar's errors start with "[time] /path/file.cc:line: " and sometimes "Check failed: (...) is false: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 _REF_PREFIXES = ("#/$defs/", "#/definitions/")
@@ -155,10 +152,6 @@ def _compile_error(kind: str, spec: str) -> str | None:
 
 
 _cached_compile_error = functools.lru_cache(maxsize=1024)(_compile_error)
-
-
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 class NamedCall:
