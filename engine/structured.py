@@ -18,7 +18,7 @@ import xgrammar as xgr
 
 from engine.protocol import ProtocolError, StructuredOutput
 
-GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept (LRU); a typical JSON schema takes ~100 KiB
+GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept (LRU); a typical JSON schema takes 100-200 KiB
 NO_VOCABULARY = "this engine's model has no tokenizer vocabulary: structured output is unavailable"
 
 # xgrammar's errors start with a timestamp and a C++ source location, then an internal check.
@@ -48,11 +48,10 @@ _COMPILE: dict[str, Callable[[xgr.GrammarCompiler, str], xgr.CompiledGrammar]] =
 
 class Grammars:
     """The grammar compiler of one engine's vocabulary. Thread-safe: the sidecar compiles in worker
-    threads while the engine thread compiles (cache hits) too. The compiler keeps compiled grammars (an LRU
-    bounded in bytes), so compiling a spec again is a cache hit of some microseconds."""
+    threads while the engine thread compiles too (cache hits). The compiler keeps compiled grammars
+    (an LRU bounded in bytes), so compiling a spec again costs some microseconds."""
 
     def __init__(self, info: xgr.TokenizerInfo, cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
-        self.info = info
         self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=cache_limit_bytes)
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:

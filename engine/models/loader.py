@@ -325,9 +325,18 @@ def _hf_tokenizer_info(path: Path, config: ModelConfig) -> xgrammar.TokenizerInf
     except (OSError, ValueError) as exc:
         log.warning("hf_tokenizer_unreadable", path=str(path), error=str(exc))
         return None
-    return xgr.TokenizerInfo.from_huggingface(
+    # xgrammar detects the encoding; special tokens are then blanked, as in a GGUF, so that no
+    # grammar admits their text (a "<|im_start|>" inside a JSON string, say).
+    detected = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids) or None
     )
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    encoded = [""] * config.vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < config.vocab_size and i not in special:
+            encoded[i] = token
+    return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=config.vocab_size,
+                             stop_token_ids=detected.stop_token_ids, add_prefix_space=detected.add_prefix_space)
 
 
 # --- dummy --------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.models.loader import load_tokenizer_info
 from engine.offline import run_offline
 from engine.protocol import (
     MSGPACK,
@@ -388,3 +389,17 @@ def test_a_mask_admits_exactly_what_the_matcher_does_and_leaves_other_rows_alone
     admitted = (logits[1] == 0).nonzero().flatten().tolist()
     assert sorted(tiny_info.decoded_vocab[i] for i in admitted) == [str(d).encode() for d in range(10)]
     assert (logits[0] == 0).all() and (logits[2] == 0).all()
+
+
+@pytest.mark.slow
+def test_an_hf_directory_gives_the_vocabulary_its_gguf_gives(gguf_path, smollm2, smollm2_tokenizer_info, tmp_path):
+    from transformers import AutoTokenizer
+
+    config = smollm2[1]
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config.to_hf()}))
+    hf = load_tokenizer_info(str(tmp_path), "hf", config)
+    gguf = smollm2_tokenizer_info
+    assert (hf.vocab_type, hf.add_prefix_space, hf.stop_token_ids) == (gguf.vocab_type, gguf.add_prefix_space, [2])
+    assert hf.special_token_ids == gguf.special_token_ids  # control tokens: never admitted
+    assert hf.decoded_vocab == gguf.decoded_vocab
