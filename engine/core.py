@@ -1,14 +1,16 @@
 """EngineCore: one loop, three verbs: schedule → run → update (the scheduler records the step).
 
 The core owns the requests by id and turns each step's sequences into frames; the model runner is
-injected (:class:`Runner`), so its bookkeeping runs without a model in tests. Not thread-safe.
+injected (:class:`Runner`), so its bookkeeping runs without a model in tests. So are the grammars
+of structured output (:class:`engine.structured.Grammars`, None when the model has no vocabulary).
+Not thread-safe, except :meth:`EngineCore.check_admissible` and :meth:`EngineCore.compile_structured`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 import torch
@@ -16,15 +18,26 @@ import torch
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
-from engine.protocol import EngineStats, GenerateRequest, ModelLimits, OutputFrame, ProtocolError, SamplingParams
+from engine.protocol import (
+    EngineStats,
+    GenerateRequest,
+    ModelLimits,
+    OutputFrame,
+    ProtocolError,
+    SamplingParams,
+    StructuredOutput,
+)
 from engine.request import Sequence, Status
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from engine.structured import NO_VOCABULARY, Grammars, new_matcher
 from kernels import load_ops
 from prefix_index.events import KVEvent
 from prefix_index.hashing import BlockHash
 
-log = structlog.get_logger("engine")
+if TYPE_CHECKING:
+    import xgrammar
 
+log = structlog.get_logger("engine")
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -54,9 +67,10 @@ class Runner(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner):
+    def __init__(self, config: EngineConfig, runner: Runner, grammars: Grammars | None = None):
         self.config = config
         self.runner = runner
+        self.grammars = grammars
         self.model_config = model_config = runner.config
         self.device, self.dtype, self.max_model_len = runner.device, runner.dtype, runner.max_model_len
         num_blocks = self._num_kv_blocks()
@@ -82,7 +96,10 @@ class EngineCore:
         )
 
     @classmethod
-    def from_model(cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig) -> EngineCore:
+    def from_model(
+        cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+        tokenizer_info: xgrammar.TokenizerInfo | None = None,
+    ) -> EngineCore:
         max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
@@ -90,18 +107,19 @@ class EngineCore:
             model, model_config, torch.device(config.device), resolve_dtype(config), config.block_size,
             config.max_num_seqs, max_model_len,
         )
-        return cls(config, runner)
+        return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
-        from engine.models.loader import load_model
+        from engine.models.loader import load_model, load_tokenizer_info
 
         torch.manual_seed(config.seed)
         model, model_config = load_model(
             config.model, config.load_format, torch.device(config.device), resolve_dtype(config),
             load_ops(config.resolved_kernel_backend),
         )
-        return cls.from_model(config, model, model_config)
+        tokenizer_info = load_tokenizer_info(config.model, config.load_format, model_config)
+        return cls.from_model(config, model, model_config, tokenizer_info)
 
     def _num_kv_blocks(self) -> int:
         """--num-kv-blocks, else --kv-cache-memory, else on CUDA what --gpu-memory-utilization
@@ -148,17 +166,29 @@ class EngineCore:
                 "max_tokens",
             )
 
+    def compile_structured(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """Compile ``spec`` against the model's vocabulary (a cache hit once compiled); raises
+        ProtocolError naming "structured" for a bad spec or a model without a vocabulary.
+        Thread-safe: the sidecar compiles in a worker thread before it submits a request."""
+        if self.grammars is None:
+            raise ProtocolError(NO_VOCABULARY, "structured")
+        return self.grammars.compile(spec)
+
     def add_request(self, request: GenerateRequest) -> None:
-        """Queue a validated request; raises ProtocolError if it can never run here."""
+        """Queue a validated request; raises ProtocolError if it can never run here. A structured
+        request's grammar is compiled here unless it was before (then the compiler's cache has it)."""
         rid = request.request_id
         if rid in self.requests:
             raise ProtocolError(f"request_id {rid!r} is already running", "request_id")
         self.check_admissible(request)
         sampling = request.sampling
+        grammar = None if sampling.structured is None else self.compile_structured(sampling.structured)
+        # A constrained sequence's own matcher ends at EOS (even with ignore_eos) or a stop token.
+        stops = (*self.model_config.eos_token_ids, *sampling.stop_token_ids)
         seqs = [
             Sequence(
                 rid, i, request.prompt_ids, sampling, request.salt, request.cache_boundaries,
-                self._generator(sampling, i),
+                self._generator(sampling, i), None if grammar is None else new_matcher(grammar, stops),
             )
             for i in range(sampling.n)
         ]
@@ -222,6 +252,7 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
         )
 
     def _generator(self, sampling: SamplingParams, index: int) -> torch.Generator | None:

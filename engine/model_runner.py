@@ -110,7 +110,7 @@ class ModelRunner:
         hidden = self.model(input_ids, torch.tensor(positions, device=dev), attn, kv_caches)
         rows = min(self.max_num_seqs, num_tokens)
         sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5, frequency_penalty=0.1)
-        seqs = [SimpleNamespace(sampling=sampling, prompt_ids=[0], output_ids=[1], generator=None)] * rows
+        seqs = [SimpleNamespace(sampling=sampling, prompt_ids=[0], output_ids=[1], generator=None, matcher=None)] * rows
         self.sampler(self.model.compute_logits(hidden[-rows:]), seqs)
         torch.cuda.synchronize(self.device)
         peak_activation = torch.cuda.max_memory_allocated(self.device) - before
@@ -147,7 +147,7 @@ class ModelRunner:
             if len(sample_rows) < logits.shape[0]:
                 rows = torch.tensor(sample_rows, device=self.device)
                 logits, greedy = logits[rows], greedy[rows]
-            if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer
+            if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer (no grammar)
                 return [SampledToken(seq, tok, None) for seq, tok in zip(sampling_seqs, greedy.tolist())]
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)

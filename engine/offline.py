@@ -54,10 +54,10 @@ def run_offline(core: EngineCore, lines: list[str], out: IO[str] = sys.stdout) -
     for i, line in enumerate(lines):
         try:
             request = _parse_line(core, line, i)
+            core.add_request(request)  # compiles a structured request's grammar: a bad one is an error line
         except ProtocolError as exc:
             results[i] = {"error": {"message": exc.message, "param": exc.param}}
             continue
-        core.add_request(request)
         pending[request.request_id] = (i, request.sampling.n, request.sampling.logprobs is not None)
     while core.has_work():
         for frame in core.step():

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.protocol import SamplingParams, TokenLogprob
 from prefix_index.hashing import BlockHash, block_hashes
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 class Status(enum.Enum):
@@ -22,12 +26,16 @@ class Sequence:
     Token accounting is unified: ``all_token_ids = prompt + output``; each step computes the KV of
     ``all_token_ids[num_computed_tokens : num_computed_tokens + k]``. A decode is the case k == 1;
     a preempted sequence resumes by recomputing prompt and output together.
+
+    A constrained sequence (``sampling.structured``) has a grammar ``matcher`` that has accepted
+    exactly ``output_ids``; the scheduler drops it when the sequence finishes.
     """
 
     __slots__ = (
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
-        "block_ids", "block_hashes", "finish_reason", "pending_logprobs", "num_sent_tokens",
+        "block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs", "num_sent_tokens",
+        "matcher",
     )
 
     def __init__(
@@ -39,6 +47,7 @@ class Sequence:
         salt: str | None,
         cache_boundaries: list[int],
         generator: torch.Generator | None,
+        matcher: xgrammar.GrammarMatcher | None = None,
     ):
         self.request_id = request_id
         self.index = index
@@ -57,8 +66,10 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why, when finish_reason is "error"
         self.pending_logprobs: list[TokenLogprob] = []
         self.num_sent_tokens = 0  # output tokens already streamed out
+        self.matcher = matcher
 
     @property
     def key(self) -> tuple[str, int]:
@@ -84,7 +95,9 @@ class Sequence:
         return self.block_hashes
 
     def reset_for_recompute(self) -> None:
-        """Preempted: drop the KV; prompt and output tokens are recomputed on resumption."""
+        """Preempted: drop the KV; prompt and output tokens are recomputed on resumption. The
+        output tokens stay, so the grammar matcher, which accepted exactly them, stays valid: the
+        next token is sampled under the mask of the state it left."""
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.block_ids = []

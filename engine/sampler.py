@@ -1,8 +1,9 @@
 """Token sampling for one engine step: logit processors, penalties, filters, seeded draws, logprobs.
 
-Per row, in vLLM's order: logit_bias, then min_tokens masking, then the repetition, frequency and
-presence penalties; then a greedy argmax (temperature 0), or temperature, top-k, top-p, min-p and a
-draw. Logprobs are those of the raw logits, before any of it (vLLM's default ``raw_logprobs``).
+Per row, in vLLM's order: the grammar mask of a constrained row, then logit_bias, then min_tokens
+masking, then the repetition, frequency and presence penalties; then a greedy argmax (temperature
+0), or temperature, top-k, top-p, min-p and a draw. Logprobs are those of the logits after the
+grammar mask and before the rest (vLLM's default ``raw_logprobs``).
 
 Each feature is vectorized over the rows that use it and skipped when none does, so a plain batch
 pays for an argmax, or a softmax and one draw, and little else. Per-token adjustments (bias,
@@ -13,12 +14,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from engine.protocol import SamplingParams, TokenLogprob
+from engine.structured import TokenMasks
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 class SamplingSeq(Protocol):
@@ -28,6 +33,7 @@ class SamplingSeq(Protocol):
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated so far
     generator: torch.Generator | None  # per-request, on the logits' device; None: the default one
+    matcher: xgrammar.GrammarMatcher | None  # the grammar of a constrained sequence; read, not advanced
 
 
 class SamplerOutput(NamedTuple):
@@ -41,15 +47,17 @@ class Sampler:
     ``logits`` is ``[num_seqs, vocab]`` fp32, row ``i`` belonging to ``seqs[i]``; the sampler uses
     it as scratch space, so its contents are undefined after a call. A row with a ``generator``
     draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
-    whatever else is in the batch and wherever its row is. Stateless apart from the EOS ids:
-    one instance may serve any number of steps.
+    whatever else is in the batch and wherever its row is. Stateless apart from the EOS ids and
+    the grammar masks' buffer: one instance may serve any number of steps, one at a time.
     """
 
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = tuple(eos_token_ids)
+        self.masks = TokenMasks()
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> SamplerOutput:
         _check_batch(logits, seqs)
+        self.masks.apply(logits, [s.matcher for s in seqs])
         logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
         # Taken before the processors below write into logits.
         raw_logprobs = _rows(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
@@ -69,13 +77,13 @@ class Sampler:
 
     def plain_greedy(self, seqs: Sequence[SamplingSeq]) -> bool:
         """Whether every row's token is the argmax of its raw logits and no row asks for
-        logprobs: no bias, penalty or min-tokens mask applies, so a caller may take an argmax
-        computed elsewhere (inside a CUDA graph) instead of calling the sampler."""
+        logprobs: no grammar, bias, penalty or min-tokens mask applies, so a caller may take an
+        argmax computed elsewhere (inside a CUDA graph) instead of calling the sampler."""
         for s in seqs:
             p = s.sampling
             masked = len(s.output_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos and self.eos_token_ids)
             if (
-                not p.greedy or p.logprobs is not None or p.logit_bias or masked
+                s.matcher is not None or not p.greedy or p.logprobs is not None or p.logit_bias or masked
                 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             ):
                 return False
@@ -88,6 +96,7 @@ class Sampler:
         advance; uses ``logits`` as scratch like ``__call__``. For rejection sampling and tests.
         """
         _check_batch(logits, seqs)
+        self.masks.apply(logits, [s.matcher for s in seqs])
         greedy_rows, random_rows, weights = self._process(logits, seqs)
         out = torch.zeros_like(logits)
         if greedy_rows:

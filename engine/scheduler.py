@@ -10,8 +10,9 @@ latest running sequence is preempted by recompute; the oldest always progresses,
 deadlock.
 
 The scheduler also records what each step did (:meth:`Scheduler.update`: computed tokens, cached
-blocks, sampled tokens, finishes). It is the one writer of queue state: a request's sequences enter
-through :meth:`Scheduler.add_request` and leave through :meth:`Scheduler.finish`, aborts included.
+blocks, sampled tokens, grammar matchers advanced, finishes). It is the one writer of queue state:
+a request's sequences enter through :meth:`Scheduler.add_request` and leave through
+:meth:`Scheduler.finish`, aborts included.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import structlog
+
 from engine.kv_cache import KVCacheManager
 from engine.protocol import TokenLogprob
 from engine.request import Sequence, Status
+
+log = structlog.get_logger("engine.scheduler")
 
 
 class ScheduledSeq(NamedTuple):
@@ -112,9 +117,10 @@ class Scheduler:
 
     def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledToken]) -> list[Sequence]:
         """Record a step's result: advance each scheduled sequence's computed tokens and cache its
-        full blocks, release held siblings, append the sampled tokens and finish the sequences that
-        met a finish rule (their blocks are freed). Returns the sequences that got a token, in
-        ``sampled`` order; the finished ones have ``finish_reason`` set."""
+        full blocks, release held siblings, append the sampled tokens (each accepted first by the
+        sequence's grammar matcher, if any) and finish the sequences that met a finish rule (their
+        blocks are freed). Returns the sequences that got a token, in ``sampled`` order; the
+        finished ones have ``finish_reason`` set."""
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             self.kv.cache_computed_blocks(seq)
@@ -122,6 +128,12 @@ class Scheduler:
                 for sibling in self.held.pop(seq.request_id, ()):
                     self.add(sibling)
         for seq, token_id, logprob in sampled:
+            if seq.matcher is not None and not seq.matcher.accept_token(token_id):
+                # The mask admitted only what the matcher accepts: a bug, not a request to serve on.
+                seq.error = f"sampled token {token_id} is outside the grammar"
+                log.error("grammar_rejected_token", request_id=seq.request_id, index=seq.index, token_id=token_id)
+                self.finish(seq, "error")
+                continue
             seq.append_token(token_id)
             if logprob is not None:
                 seq.pending_logprobs.append(logprob)
@@ -143,10 +155,13 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.matcher = None
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.sampling
         num_out = len(seq.output_ids)
+        if seq.matcher is not None and seq.matcher.is_terminated():  # a complete grammar took a stop token
+            return "stop"
         if num_out >= p.min_tokens and (
             token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
         ):

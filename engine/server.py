@@ -93,6 +93,9 @@ class Sidecar:
         try:
             gen = unpack_generate_request(body, core.limits)
             core.check_admissible(gen)
+            if gen.sampling.structured is not None:
+                # Compiled off both loops; the engine thread then finds it in the compiler's cache.
+                await asyncio.to_thread(core.compile_structured, gen.sampling.structured)
         except ProtocolError as exc:
             log.info("generate_rejected", status=400, error=exc.message, param=exc.param)
             return error_response(400, exc.message, exc.param)

@@ -1,6 +1,8 @@
-"""Build a model and fill its weights from a GGUF file, a Hugging Face directory or random numbers.
+"""Build a model and fill its weights from a GGUF file, a Hugging Face directory or random numbers;
+read its tokenizer vocabulary for grammar-constrained output (:func:`load_tokenizer_info`).
 
-``gguf`` and ``safetensors`` are imported where used: the engine core imports without them.
+``gguf``, ``safetensors``, ``transformers`` and ``xgrammar`` are imported where used: the engine
+core imports without them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kernels import KernelOps
 
 if TYPE_CHECKING:
     import gguf
+    import xgrammar
 
 log = structlog.get_logger("engine.loader")
 
@@ -80,6 +83,24 @@ def load_model(
         seconds=round(time.perf_counter() - start, 2),
     )
     return net, config
+
+
+def load_tokenizer_info(model: str, load_format: str, config: ModelConfig) -> xgrammar.TokenizerInfo | None:
+    """The vocabulary of ``model`` as xgrammar sees it (token strings, their encoding, the logits'
+    vocab size and the EOS ids), or None when there is none to read: dummy weights, a GGUF
+    tokenizer model other than BPE or sentencepiece, an HF directory without a tokenizer."""
+    if load_format == "auto":
+        load_format = _detect_format(model)
+    if load_format == "gguf":
+        info = _gguf_tokenizer_info(_gguf_reader(Path(model)), config)
+    elif load_format == "hf":
+        info = _hf_tokenizer_info(Path(model), config)
+    else:
+        info = None
+    if info is None:
+        log.warning("no_tokenizer_vocabulary", model=model, load_format=load_format,
+                    consequence="structured output is unavailable")
+    return info
 
 
 def _detect_format(model: str) -> str:
@@ -171,6 +192,28 @@ def _gguf_config(reader: gguf.GGUFReader, name: str) -> ModelConfig:
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+    )
+
+
+# tokenizer.ggml.token_type: control (3), unknown (2) and unused (5) tokens stand for no text.
+_GGUF_TEXTLESS_TOKEN_TYPES = frozenset((2, 3, 5))
+
+
+def _gguf_tokenizer_info(reader: gguf.GGUFReader, config: ModelConfig) -> xgrammar.TokenizerInfo | None:
+    import xgrammar as xgr
+
+    vocab_types = {"gpt2": xgr.VocabType.BYTE_LEVEL, "llama": xgr.VocabType.BYTE_FALLBACK}
+    tokenizer_model = _gguf_field(reader, "tokenizer.ggml.model", None)
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", None)
+    if tokenizer_model not in vocab_types or tokens is None:
+        return None
+    token_types = _gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    # An empty string is a special token to xgrammar: never admitted, except as a stop token.
+    encoded = ["" if kind in _GGUF_TEXTLESS_TOKEN_TYPES else token for token, kind in zip(tokens, token_types)]
+    return xgr.TokenizerInfo(
+        encoded, vocab_types[tokenizer_model], vocab_size=config.vocab_size,
+        stop_token_ids=list(config.eos_token_ids) or None,
+        add_prefix_space=_gguf_field(reader, "tokenizer.ggml.add_space_prefix", tokenizer_model == "llama"),
     )
 
 
@@ -271,6 +314,29 @@ def _load_hf(
     net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
     _fill(net, _hf_weights(files), path)
     return net, config
+
+
+def _hf_tokenizer_info(path: Path, config: ModelConfig) -> xgrammar.TokenizerInfo | None:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        log.warning("hf_tokenizer_unreadable", path=str(path), error=str(exc))
+        return None
+    # xgrammar detects the encoding; special tokens are then blanked, as in a GGUF, so that no
+    # grammar admits their text (a "<|im_start|>" inside a JSON string, say).
+    detected = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids) or None
+    )
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    encoded = [""] * config.vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < config.vocab_size and i not in special:
+            encoded[i] = token
+    return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=config.vocab_size,
+                             stop_token_ids=detected.stop_token_ids, add_prefix_space=detected.add_prefix_space)
 
 
 # --- dummy --------------------------------------------------------------------------------------

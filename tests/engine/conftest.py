@@ -11,7 +11,7 @@ import pytest
 import torch
 from paged import peaky_tiny
 
-from engine.models.loader import load_model
+from engine.models.loader import load_model, load_tokenizer_info
 from engine.protocol import default_model_path
 from kernels import load_ops
 
@@ -25,6 +25,12 @@ def gguf_path() -> Path:
 def smollm2(gguf_path):
     """``(model, config)``: our SmolLM2 from the GGUF, CPU fp32, torch reference ops."""
     return load_model(str(gguf_path), "gguf", "cpu", torch.float32, load_ops("torch"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_info(gguf_path, smollm2):
+    """xgrammar's view of the SmolLM2 GGUF vocabulary (for structured output)."""
+    return load_tokenizer_info(str(gguf_path), "gguf", smollm2[1])
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ class Seq:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: None = None
 
 
 def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0):
