@@ -83,8 +83,9 @@ def schema_text(schema: Any) -> str:
 
 
 def required_calls_schema(tools: ToolUse) -> dict[str, Any]:
-    """A non-empty array (one item without parallel calls) of ``{"name": const, "arguments": schema}``,
-    any of the tools. Each tool's ``$defs`` move to the root under ``<name>.``, its ``$ref``\\s with them:
+    """A non-empty array of ``{"name": const, "arguments": schema}``, any of the tools: at most one
+    item without parallel calls, else at most one per tool offered (a bound: unbounded, a small model at
+    temperature 0 repeats its call until max_tokens). Each tool's ``$defs`` move to the root under ``<name>.``, its ``$ref``\\s with them:
     refs resolve against the document root, which is no longer the tool's."""
     defs: dict[str, Any] = {}
     items = []
@@ -92,9 +93,8 @@ def required_calls_schema(tools: ToolUse) -> dict[str, Any]:
         parameters = _hoist_defs(tools.parameters(name), f"{name}.", defs)
         items.append({"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
                       "required": ["name", "arguments"]})
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-    if not tools.parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+                              "maxItems": len(items) if tools.parallel else 1}
     if defs:
         schema["$defs"] = defs
     return schema

@@ -1,4 +1,6 @@
-"""Gateway test fixtures: the tokenizer, and one tiny dummy engine with one gateway in front of it.
+"""Gateway test fixtures: the tokenizer, one tiny dummy engine with one gateway in front of it, and a
+gateway that spawned one real SmolLM2 engine (for what only real weights and a vocabulary show:
+constrained generation, served names).
 
 Process fixtures are session-scoped so the suite stays fast on two shared cores.
 """
@@ -40,5 +42,14 @@ def gateway(dummy_engine: Proc, tmp_path_factory) -> Iterator[Proc]:
         "--api-key", API_KEYS[0], "--api-key", API_KEYS[1], "--trusted-proxies", "127.0.0.1",
         "--max-body-bytes", "65536", "--log-level", "DEBUG",
     )
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gateway(tmp_path_factory) -> Iterator[Proc]:
+    """A gateway (no keys) that spawned one SmolLM2 engine: real weights, real vocabulary."""
+    gw = start_gateway(tmp_path_factory.mktemp("smollm2") / "gateway.log", "--spawn-engines", "1",
+                       "--engine-args", "--num-kv-blocks 512 --max-num-seqs 16")
     yield gw
     gw.stop()

@@ -4,8 +4,6 @@ file's stem; its uvicorn and stdlib lines are JSON like its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
@@ -14,14 +12,6 @@ from gw_harness import Proc, start_gateway
 from engine.protocol import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory) -> Iterator[Proc]:
-    gw = start_gateway(tmp_path_factory.mktemp("spawned") / "gateway.log", "--spawn-engines", "1",
-                       "--engine-args", "--num-kv-blocks 256")
-    yield gw
-    gw.stop()
 
 
 def engine_url(gw: Proc) -> str:
@@ -34,19 +24,19 @@ def model_ids(gw: Proc) -> list[str]:
     return [m.id for m in client.models.list().data]
 
 
-def test_spawned_and_url_gateways_list_the_engines_name(spawned, tmp_path):
-    url = engine_url(spawned)
+def test_spawned_and_url_gateways_list_the_engines_name(smollm2_gateway, tmp_path):
+    url = engine_url(smollm2_gateway)
     assert httpx.get(url + "/stats").json()["model"] == DEFAULT_MODEL_NAME
     by_url = start_gateway(tmp_path / "gateway.log", "--engine", url)
     try:
-        assert model_ids(by_url) == model_ids(spawned) == [DEFAULT_MODEL_NAME]
+        assert model_ids(by_url) == model_ids(smollm2_gateway) == [DEFAULT_MODEL_NAME]
     finally:
         by_url.stop()
 
 
-def test_engine_stdlib_lines_are_json(spawned):
+def test_engine_stdlib_lines_are_json(smollm2_gateway):
     # The spawned engine writes to the gateway's stderr: uvicorn's startup line names the engine's port.
-    port = engine_url(spawned).rsplit(":", 1)[1]
-    lines = spawned.log_lines()
+    port = engine_url(smollm2_gateway).rsplit(":", 1)[1]
+    lines = smollm2_gateway.log_lines()
     assert [x for x in lines if "raw" in x] == []
     assert any(x.get("logger") == "uvicorn.error" and f":{port}" in x["event"] for x in lines)

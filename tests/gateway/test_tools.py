@@ -1,11 +1,12 @@
 """Tools and structured outputs on the request side: request → engine constraint (exact specs), tools and
 tool history through the chat template (exact prompts: SmolLM2's template, which has no tools, and a
 Qwen-style one, which has), cache boundaries with tools, the 400s, and end to end through the openai SDK
-against a real gateway and tiny engine. The tests named ``test_constrained_*`` need the engine's grammar
-masks (issue 16's engine half): the dummy model writes anything without them."""
+against a real gateway and tiny engine; the tests named ``test_constrained_*`` run SmolLM2 under the
+engine's grammar masks (real weights and vocabulary), at temperature 0 and 1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -16,7 +17,8 @@ from gw_harness import API_KEYS, lines_for
 from pydantic import BaseModel, Field
 from test_tokenizer import RecordingBackend, make_template_tokenizer  # noqa: F401 — a fixture
 
-from engine.protocol import ModelLimits, StructuredOutput
+from benchmarks.structured_cases import MAX_TOKENS, SCHEMAS
+from engine.protocol import DEFAULT_MODEL_NAME, ModelLimits, StructuredOutput
 from gateway.config import ConfigError, load_config
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -94,7 +96,7 @@ def test_required_tool_choice_is_an_array_of_calls_any_of_the_tools():
                "required": ["name", "arguments"]}
     parallel = structured(request(tools=[WEATHER, TIME], tool_choice="required"))
     assert parallel == StructuredOutput("json_schema", schema_text(
-        {"type": "array", "items": {"anyOf": [item, no_args]}, "minItems": 1}))
+        {"type": "array", "items": {"anyOf": [item, no_args]}, "minItems": 1, "maxItems": 2}))
     single = structured(request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
     assert json.loads(single.spec) == {"type": "array", "items": {"anyOf": [item, no_args]}, "minItems": 1,
                                        "maxItems": 1}
@@ -441,7 +443,7 @@ def test_conversations_sharing_a_tool_set_share_their_cached_prefix(gateway, tok
     assert usages[1].prompt_tokens_details.cached_tokens >= boundaries[0]
 
 
-# --- constrained generation end to end: need the engine's grammar masks ---
+# --- constrained generation end to end: SmolLM2 under the engine's grammar masks ---
 
 
 class Weather(BaseModel):
@@ -455,13 +457,15 @@ class Verdict(BaseModel):
     tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_required_tool_choice_calls_validate(gateway, temperature):
+def test_constrained_required_tool_choice_calls_validate(smollm2_gateway, temperature):
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
-    sdk = client(gateway)
+    sdk = client(smollm2_gateway)
     for seed in range(10):
-        resp = sdk.chat.completions.create(model="tiny", messages=[USER], tools=[tool], tool_choice="required",
-                                           max_tokens=300, temperature=temperature, seed=seed)
+        resp = sdk.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[USER], tools=[tool],
+                                           tool_choice="required", max_tokens=300, temperature=temperature,
+                                           seed=seed)
         choice = resp.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         for call in choice.message.tool_calls:
@@ -469,10 +473,11 @@ def test_constrained_required_tool_choice_calls_validate(gateway, temperature):
             Weather.model_validate_json(call.function.arguments)
 
 
-def test_constrained_named_tool_choice_streams_as_the_whole_call(gateway):
+@pytest.mark.slow
+def test_constrained_named_tool_choice_streams_as_the_whole_call(smollm2_gateway):
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
-    sdk = client(gateway)
-    args = dict(model="tiny", messages=[USER], tools=[tool, TIME], max_tokens=300, temperature=0,
+    sdk = client(smollm2_gateway)
+    args = dict(model=DEFAULT_MODEL_NAME, messages=[USER], tools=[tool, TIME], max_tokens=300, temperature=0,
                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = sdk.chat.completions.create(**args)
     with sdk.chat.completions.stream(**args) as stream:
@@ -483,22 +488,40 @@ def test_constrained_named_tool_choice_streams_as_the_whole_call(gateway):
     Weather.model_validate_json(calls[0][0][1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_parse_returns_the_pydantic_object(gateway, temperature):
-    sdk = client(gateway)
+def test_constrained_parse_returns_the_pydantic_object(smollm2_gateway, temperature):
+    sdk = client(smollm2_gateway)
     for model in (Weather, Verdict):
-        resp = sdk.chat.completions.parse(model="tiny", messages=[USER], response_format=model, max_tokens=300,
-                                          temperature=temperature, seed=3)
+        resp = sdk.chat.completions.parse(model=DEFAULT_MODEL_NAME, messages=[USER], response_format=model,
+                                          max_tokens=300, temperature=temperature, seed=3)
         assert isinstance(resp.choices[0].message.parsed, model)
 
 
-def test_constrained_structured_outputs_regex_and_choice(gateway):
-    sdk = client(gateway)
+@pytest.mark.slow
+def test_constrained_structured_outputs_regex_and_choice(smollm2_gateway):
+    sdk = client(smollm2_gateway)
     for body, check in [({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: len(t) == 6 and t[3] == "-"),
                         ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no"))]:
-        resp = sdk.chat.completions.create(model="tiny", messages=[USER], max_tokens=50, temperature=1.0, seed=1,
-                                           extra_body={"structured_outputs": body})
+        resp = sdk.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[USER], max_tokens=50,
+                                           temperature=1.0, seed=1, extra_body={"structured_outputs": body})
         assert check(resp.choices[0].message.content) and resp.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_constrained_parse_of_the_ten_benchmark_schemas(smollm2_gateway, temperature):
+    sdk = openai.AsyncOpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def parsed(model, prompt):
+        resp = await sdk.chat.completions.parse(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": prompt}], response_format=model,
+            max_tokens=MAX_TOKENS, temperature=temperature, seed=7)
+        return resp.choices[0].message.parsed
+
+    results = await asyncio.gather(*(parsed(model, prompt) for model, prompt in SCHEMAS.values()))
+    await sdk.close()
+    assert [type(r) for r in results] == [model for model, _ in SCHEMAS.values()]
 
 
 def test_parser_settings(tokenizer):
