@@ -84,9 +84,10 @@ def schema_text(schema: Any) -> str:
 
 def required_calls_schema(tools: ToolUse) -> dict[str, Any]:
     """A non-empty array of ``{"name": const, "arguments": schema}``, any of the tools: at most one
-    item without parallel calls, else at most one per tool offered (a bound: unbounded, a small model at
-    temperature 0 repeats its call until max_tokens). Each tool's ``$defs`` move to the root under ``<name>.``, its ``$ref``\\s with them:
-    refs resolve against the document root, which is no longer the tool's."""
+    item without parallel calls, else at most one per tool offered (a bound: unbounded, a small model
+    at temperature 0 repeats its call until max_tokens). Each tool's ``$defs`` move to the root under
+    ``<name>.``, its ``$ref``\\s with them: refs resolve against the document root, which is no longer
+    the tool's."""
     defs: dict[str, Any] = {}
     items = []
     for name in tools.names:
