@@ -1,5 +1,6 @@
 """JSON logs on stderr for both processes (stdout belongs to `engine generate`): structlog's own lines
-and the stdlib loggers' (uvicorn, httpx) are rendered the same way.
+and the stdlib loggers' (uvicorn, httpx) are rendered the same way, and written by one handler under
+one lock (two writers on one stream, from two threads, interleave their lines).
 
 Imports nothing but logging and structlog, so the gateway uses it too: one logging behaviour. The
 bound ``request_id`` (``merge_contextvars``) is in every line logged while a gateway request runs.
@@ -39,8 +40,8 @@ def configure_logging(level: str = "INFO") -> None:
     # httpx logs every call at INFO: per-request noise next to the gateway's own request line.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     structlog.configure(
-        processors=[*shared, tracebacks, structlog.processors.JSONRenderer()],
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
