@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import structlog
 
 from engine.core import EngineCore, EngineCounters
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import GenerateRequest, SamplingParams, StructuredOutput
 
 log = structlog.get_logger("engine")
 
@@ -21,8 +21,9 @@ def warmup(core: EngineCore) -> None:
     """Capture the decode CUDA graphs, then run through the whole engine a prefill of each
     power-of-two length up to a full chunk (one short prefill on the CPU, which compiles nothing),
     and decode steps that admit a prefill (mixed batches) at a short and a long context with a
-    sampled request (penalties, top-k/p, logprobs), so that every kernel variant is compiled and
-    loaded. Leaves the core idle with fresh counters."""
+    sampled request (penalties, top-k/p, logprobs) and, when the model has a vocabulary, a
+    constrained one, so that every kernel variant is compiled and loaded. Leaves the core idle with
+    fresh counters."""
     start = time.perf_counter()
     graph_bytes = 0
     buckets: list[int] = []
@@ -38,6 +39,8 @@ def warmup(core: EngineCore) -> None:
         _warmup_run(core, prompts, [length])
     _warmup_run(core, prompts, [min(8, limit), min(8, limit)])  # one block: a single split
     _warmup_run(core, prompts, [min(300, limit), min(200, limit)])  # split-K decode
+    if core.grammars is not None:  # the mask's thread pool and its kernel, off the first constrained request
+        _warmup_run(core, prompts, [min(8, limit), min(8, limit)], StructuredOutput("json_object"))
     core.counters = EngineCounters()
     log.info(
         "warmup_done",
@@ -57,9 +60,11 @@ def _use_cuda_graphs(core: EngineCore) -> bool:
     return True
 
 
-def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int]) -> None:
+def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int],
+                structured: StructuredOutput | None = None) -> None:
     """Run warmup requests of the given prompt lengths to completion; each request after the
-    first is added once the one before it decodes, so its prefill shares a decode step."""
+    first is added once the one before it decodes, so its prefill shares a decode step. With
+    ``structured``, the requests after the first are constrained by it."""
     vocab = core.model_config.vocab_size
     for i, length in enumerate(lengths):
         first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
@@ -71,6 +76,7 @@ def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int]) ->
                 max_tokens=_WARMUP_DECODES, temperature=0.8 if sampled else 0.0, top_p=0.9, top_k=40,
                 min_p=0.01, presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
                 seed=0 if sampled else None, logprobs=2 if sampled else None, ignore_eos=True,
+                structured=structured if sampled else None,
             ),
             salt=WARMUP_SALT,
         )

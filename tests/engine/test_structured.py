@@ -34,6 +34,7 @@ from engine.protocol import (
 )
 from engine.server import build_app
 from engine.structured import NO_VOCABULARY, Grammars, TokenMasks, new_matcher
+from engine.warmup import warmup
 
 PERSON = {
     "type": "object",
@@ -403,3 +404,12 @@ def test_an_hf_directory_gives_the_vocabulary_its_gguf_gives(gguf_path, smollm2,
     assert (hf.vocab_type, hf.add_prefix_space, hf.stop_token_ids) == (gguf.vocab_type, gguf.add_prefix_space, [2])
     assert hf.special_token_ids == gguf.special_token_ids  # control tokens: never admitted
     assert hf.decoded_vocab == gguf.decoded_vocab
+
+
+def test_warmup_runs_a_constrained_request_when_there_is_a_vocabulary(tiny, tiny_info, monkeypatch):
+    compiled = []
+    core = tiny_core(tiny, tiny_info)
+    monkeypatch.setattr(core, "compile_structured", lambda spec: compiled.append(spec) or core.grammars.compile(spec))
+    warmup(core)
+    assert compiled == [StructuredOutput("json_object")]
+    assert not core.has_work() and core.check_integrity().used == 0
