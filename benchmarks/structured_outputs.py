@@ -71,25 +71,45 @@ def make_core(args: argparse.Namespace) -> EngineCore:
     return core
 
 
-def run(core: EngineCore, batch: int, tokens: int, structured: StructuredOutput | None, tag: str) -> tuple[float, int]:
+class Result:
     """Output tok/s of ``batch`` requests decoding together, over the steps in which every one of them
-    still decodes (a constrained answer may end early; a smaller batch would not compare), and how many
-    such steps there were."""
-    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=structured is None,
-                              structured=structured)
-    for i in range(batch):
-        core.add_request(GenerateRequest(f"{tag}-{i}", [100 + i, 200, 300 + i, 400], sampling))
-    core.step()  # the prefill
-    seconds, steps = 0.0, 0
-    while core.has_work():
-        t0 = time.perf_counter()
-        frames = core.step()
-        if core.device.type == "cuda":
-            torch.cuda.synchronize()
-        if sum(len(f.token_ids) for f in frames) == batch:
-            seconds += time.perf_counter() - t0
-            steps += 1
-    return steps * batch / seconds, steps
+    still decodes (a constrained answer may end early; a smaller batch would not compare); how many
+    such steps there were; and each request's tokens and finish reason."""
+
+    def __init__(self, core: EngineCore, batch: int, tokens: int, structured: StructuredOutput | None, tag: str):
+        sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=structured is None,
+                                  structured=structured)
+        for i in range(batch):
+            core.add_request(GenerateRequest(f"{tag}-{i}", [100 + i, 200, 300 + i, 400], sampling))
+        self.tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(batch)}
+        self.finish: dict[str, str] = {}
+        seconds, self.steps = 0.0, 0
+        while core.has_work():
+            t0 = time.perf_counter()
+            frames = core.step()
+            if core.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            for f in frames:
+                self.tokens[f.request_id] += f.token_ids
+                if f.finish_reason is not None:
+                    self.finish[f.request_id] = f.finish_reason
+            if all(len(t) > 1 for t in self.tokens.values()) and sum(len(f.token_ids) for f in frames) == batch:
+                seconds += elapsed  # a decode step of the whole batch (the prefill step is not one)
+                self.steps += 1
+        self.tok_s = self.steps * batch / seconds
+
+    def valid_json(self, decoded_vocab: list[bytes]) -> int:
+        """How many of the answers that ended "stop" parse as JSON."""
+        valid = 0
+        for rid, reason in self.finish.items():
+            text = b"".join(decoded_vocab[t] for t in self.tokens[rid]).decode(errors="replace")
+            try:
+                json.loads(text)
+            except ValueError:
+                continue
+            valid += reason == "stop"
+        return valid
 
 
 def main() -> None:
@@ -107,13 +127,16 @@ def main() -> None:
     configure_logging("WARNING")
     core = make_core(args)
     structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    decoded = core.grammars.info.decoded_vocab
     for batch in args.batches:
         for repeat in range(args.repeats):
-            plain, _ = run(core, batch, args.tokens, None, f"plain{batch}-{repeat}")
-            constrained, steps = run(core, batch, args.tokens, structured, f"json{batch}-{repeat}")
+            plain = Result(core, batch, args.tokens, None, f"plain{batch}-{repeat}")
+            constrained = Result(core, batch, args.tokens, structured, f"json{batch}-{repeat}")
+            finished = sum(r == "stop" for r in constrained.finish.values())
             emit(bench="structured_outputs", device=core.device.type, model=core.model_config.name, batch=batch,
-                 plain_tok_s=round(plain, 1), json_schema_tok_s=round(constrained, 1),
-                 json_schema_full_batch_steps=steps, slowdown=round(1 - constrained / plain, 4),
+                 plain_tok_s=round(plain.tok_s, 1), json_schema_tok_s=round(constrained.tok_s, 1),
+                 json_schema_full_batch_steps=constrained.steps, slowdown=round(1 - constrained.tok_s / plain.tok_s, 4),
+                 json_schema_stopped=finished, json_schema_valid=constrained.valid_json(decoded),
                  goal="<= 0.10 slowdown at batch 32" if batch == 32 else None)
     for name, spec in (("cold", {**SCHEMA, "title": f"fresh-{time.time_ns()}"}), ("cached", SCHEMA)):
         t0 = time.perf_counter()
