@@ -9,7 +9,7 @@ without the GGUF, ``--model smollm2-135m --load-format dummy --vocab FILE`` runs
 the shape with the vocabulary saved by ``--save-vocab FILE`` on a machine that has the GGUF (random
 weights make arbitrary but valid JSON; the mask's cost does not depend on what is sampled).
 
-    python3 benchmarks/structured_outputs.py [--batches 1,32] [--tokens 128]
+    python3 benchmarks/structured_outputs.py [--batches 1,32] [--tokens 200]
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ SCHEMA = {
 }
 
 
-def make_core(args: argparse.Namespace) -> EngineCore:
+def make_core(args: argparse.Namespace) -> tuple[EngineCore, list[bytes]]:
+    """The engine, warmed up, and its vocabulary's token bytes."""
     import xgrammar as xgr
 
     config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
@@ -68,7 +69,7 @@ def make_core(args: argparse.Namespace) -> EngineCore:
         args.save_vocab.write_text(info.serialize_json())
     core = EngineCore.from_model(config, model, model_config, info)
     warmup(core)
-    return core
+    return core, info.decoded_vocab
 
 
 class Result:
@@ -120,14 +121,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=Path, help="an xgrammar TokenizerInfo JSON (for dummy weights)")
     parser.add_argument("--save-vocab", type=Path, help="write the model's vocabulary there for --vocab")
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes (default: 1,32)")
-    parser.add_argument("--tokens", type=int, default=128, help="max output tokens per request (default: 128)")
+    parser.add_argument("--tokens", type=int, default=200, help="max output tokens per request (default: 200)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default: 2)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     configure_logging("WARNING")
-    core = make_core(args)
+    core, decoded = make_core(args)
     structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    decoded = core.grammars.info.decoded_vocab
     for batch in args.batches:
         for repeat in range(args.repeats):
             plain = Result(core, batch, args.tokens, None, f"plain{batch}-{repeat}")
