@@ -1,7 +1,8 @@
 """What a JSON-schema constraint costs the engine: output tokens/s with and without it, same run.
 
-For each batch size, the same greedy requests run twice through ``EngineCore.step``: unconstrained
-(the peer) and under a JSON schema (a grammar mask on every row, every step). Each record gives
+For each batch size, the same greedy requests run twice through ``EngineCore.step``: under a JSON
+schema (a grammar mask on every row, every step), then unconstrained (the peer) for as many decode
+steps at the same contexts. Each record gives
 output tok/s of both and the slowdown; then the schema's compile time, cold and cached.
 
 On the CPU the model is SmolLM2's GGUF (weights and vocabulary). Elsewhere, e.g. on a GPU host
@@ -130,8 +131,9 @@ def main() -> None:
     structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
     for batch in args.batches:
         for repeat in range(args.repeats):
-            plain = Result(core, batch, args.tokens, None, f"plain{batch}-{repeat}")
             constrained = Result(core, batch, args.tokens, structured, f"json{batch}-{repeat}")
+            # The peer decodes as many full-batch steps at the same contexts (attention grows with them).
+            plain = Result(core, batch, constrained.steps + 2, None, f"plain{batch}-{repeat}")
             finished = sum(r == "stop" for r in constrained.finish.values())
             emit(bench="structured_outputs", device=core.device.type, model=core.model_config.name, batch=batch,
                  plain_tok_s=round(plain.tok_s, 1), json_schema_tok_s=round(constrained.tok_s, 1),
