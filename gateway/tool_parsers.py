@@ -171,6 +171,7 @@ class _BlockParser(ToolCallParser):
     """Content and call blocks, found by format hooks; holding, separators and emission are shared here."""
 
     separators = WHITESPACE  # dropped right before a call and after the last one
+    START: str  # the marker that opens a block, for the formats that have one
 
     def __init__(self, tool_names: Collection[str]):
         super().__init__(tool_names)
@@ -181,14 +182,15 @@ class _BlockParser(ToolCallParser):
         self._pending = ""  # trailing separators of the content, held until what follows decides them
         self._quiet = True  # nothing but separators since the start or the last accepted call
 
-    # -- format hooks ------------------------------------------------------------------------------
-    @abstractmethod
+    # -- format hooks (the first two find ``START``; a format without a marker overrides them) --------
     def _block_start(self, text: str) -> int | None:
         """Where in ``text`` (undecided content) a block starts, once its marker is whole; else None."""
+        i = text.find(self.START)
+        return i if i >= 0 else None
 
-    @abstractmethod
     def _held(self, text: str) -> int:
         """How many trailing characters of ``text`` (with no block start) might still begin one."""
+        return partial_suffix(text, self.START)
 
     @abstractmethod
     def _block_end(self, text: str) -> int | None:
@@ -285,13 +287,6 @@ def _skip(text: str, pos: int, chars: str = WHITESPACE) -> int:
 class HermesParser(_BlockParser):
     START, END = "<tool_call>", "</tool_call>"
 
-    def _block_start(self, text: str) -> int | None:
-        i = text.find(self.START)
-        return i if i >= 0 else None
-
-    def _held(self, text: str) -> int:
-        return partial_suffix(text, self.START)
-
     def _block_end(self, text: str) -> int | None:
         i = text.find(self.END, max(len(self.START), self._scanned))
         if i < 0:
@@ -335,13 +330,6 @@ class Llama3JsonParser(_BlockParser):
 
 class MistralParser(_BlockParser):
     START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
-
-    def _block_start(self, text: str) -> int | None:
-        i = text.find(self.START)
-        return i if i >= 0 else None
-
-    def _held(self, text: str) -> int:
-        return partial_suffix(text, self.START)
 
     def _block_end(self, text: str) -> int | None:
         i = _skip(text, len(self.START))
