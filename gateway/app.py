@@ -72,6 +72,10 @@ def openapi_schema() -> dict[str, Any]:
             "/v1/chat/completions": generation("ChatCompletionRequest", "Chat completion"),
             "/v1/completions": generation("CompletionRequest", "Text completion"),
             "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "model list"}}}},
+            "/v1/models/{model_id}": {"get": {
+                "summary": "One served model", "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                                               "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model"}, "404": {"description": "no such model"}}}},
             "/health": {"get": {"summary": "Liveness (open)", "security": [],
                                 "responses": {"200": {"description": "alive"}}}},
             "/ready": {"get": {"summary": "Readiness: some engine replica is ready (open)", "security": [],
@@ -147,12 +151,22 @@ async def completions(request: Request) -> Response:
     return await request.state.serving.completions(request)
 
 
-async def models(request: Request) -> Response:
+def _model_card(request: Request) -> dict[str, Any]:
     serving: Serving = request.state.serving
-    return JSONResponse({"object": "list", "data": [{
-        "id": serving.model_name, "object": "model", "created": request.state.started, "owned_by": "kvgate",
-        "max_model_len": serving.model.limits.max_model_len,
-    }]})
+    return {"id": serving.model_name, "object": "model", "created": request.state.started, "owned_by": "kvgate",
+            "root": serving.model_name, "max_model_len": serving.model.limits.max_model_len}
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    card = _model_card(request)
+    if request.path_params["model_id"] != card["id"]:
+        raise APIError(404, f"the model {request.path_params['model_id']!r} does not exist; this server serves "
+                            f"{card['id']!r}", param="model", code="model_not_found")
+    return JSONResponse(card)
 
 
 async def health(request: Request) -> Response:
@@ -182,6 +196,7 @@ def create_app(config: GatewayConfig) -> ASGIApp:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),

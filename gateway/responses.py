@@ -175,6 +175,8 @@ class CompletionShape(ResponseShape[CompletionRequest]):
         return {
             "tokens": [tok.token_text(t) for t in token_ids],
             "token_logprobs": [_clamp(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{tok.token_text(tid): _clamp(v) for tid, v in lp.top} for lp in logprobs],
+            # OpenAI's legacy shape: the top alternatives and always the sampled token (k + 1 at most).
+            "top_logprobs": [{**{tok.token_text(tid): _clamp(v) for tid, v in lp.top},
+                              tok.token_text(t): _clamp(lp.logprob)} for t, lp in zip(token_ids, logprobs)],
             "text_offset": offsets,
         }

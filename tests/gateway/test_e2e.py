@@ -37,8 +37,26 @@ def wait_engine_idle(engine: Proc, timeout: float = 5.0) -> dict:
 
 
 def test_models(gateway):
-    models = sync_client(gateway).models.list()
+    client = sync_client(gateway)
+    models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.root == MODEL and card.max_model_len == models.data[0].max_model_len
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_completion_logprobs_always_hold_the_sampled_token(gateway, k):
+    choice = sync_client(gateway).completions.create(model=MODEL, prompt="Logprobs", max_tokens=50, temperature=1.5,
+                                                      seed=k, logprobs=k, extra_body=NO_EOS).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 50
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob and len(top) <= k + 1
+        if k == 0:
+            assert top == {token: logprob}
 
 
 def test_chat_non_streamed(gateway):
