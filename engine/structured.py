@@ -94,12 +94,17 @@ class TokenMasks:
         # Row i of the bitmask masks row i of the logits; rows not in ``rows`` are neither
         # filled nor read.
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], host, indices=rows)
+        # Row indices for the kernel, None for all rows. On CUDA they travel from pinned memory: a copy
+        # from pageable memory would wait for the step's forward to finish before the host goes on.
+        indices: torch.Tensor | list[int] | None = None if len(rows) == num_rows else rows
         bitmask = host
         if logits.is_cuda:
+            if indices is not None:
+                indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
             bitmask = host.to(logits.device, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
 
     def _buffer(self, num_rows: int, vocab: int, pin: bool) -> torch.Tensor:
         if self._copied is not None:  # the copy in flight still reads the pinned buffer
