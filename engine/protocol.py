@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,16 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
     if wire.get("structured") is not None:
         p.structured = _parse_structured(wire["structured"])
     return p
+
+
+# xgrammar's errors start with a timestamp and a C++ source location, then maybe an internal check.
+_GRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (?:Check failed: .*? is false: )?")
+
+
+def grammar_error_message(exc: Exception) -> str:
+    """xgrammar's reason for refusing a spec, in one line and without its prefix: the words both the
+    gateway's check and the engine's compiler answer with."""
+    return (_GRAMMAR_ERROR_PREFIX.sub("", str(exc).strip()).splitlines() or [""])[0]
 
 
 def _parse_structured(wire: Any) -> StructuredOutput:

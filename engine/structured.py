@@ -10,19 +10,16 @@ matcher never reach any of this.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable
 
 import torch
 import xgrammar as xgr
 
-from engine.protocol import ProtocolError, StructuredOutput
+from engine.protocol import ProtocolError, StructuredOutput, grammar_error_message
 
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept (LRU); a typical JSON schema takes 100-200 KiB
 NO_VOCABULARY = "this engine's model has no tokenizer vocabulary: structured output is unavailable"
 
-# xgrammar's errors start with a timestamp and a C++ source location, then an internal check.
-_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 def _choice_grammar(compiler: xgr.GrammarCompiler, spec: str) -> xgr.CompiledGrammar:
@@ -60,7 +57,7 @@ class Grammars:
         try:
             return _COMPILE[spec.kind](self._compiler, spec.spec)
         except (RuntimeError, ValueError) as exc:  # xgrammar raises both, and subclasses of them
-            message = _ERROR_PREFIX.sub("", str(exc)).strip()
+            message = grammar_error_message(exc)
             raise ProtocolError(f"invalid structured output ({spec.kind}): {message}", "structured") from None
 
 

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from engine.protocol import StructuredOutput
+from engine.protocol import StructuredOutput, grammar_error_message
 from gateway.errors import APIError
 from gateway.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta, new_call_id
 
 # A function without parameters takes an empty object (as OpenAI reads a missing ``parameters``).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # xgrammar's errors start with "[time] /path/file.cc:line: " and sometimes "Check failed: (...) is false: "
-_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 _REF_PREFIXES = ("#/$defs/", "#/definitions/")
 _CACHED_SPEC_CHARS = 64 * 1024  # larger specs are checked each time rather than kept
 
@@ -148,7 +146,7 @@ def _compile_error(kind: str, spec: str) -> str | None:
     try:
         compile_spec(spec)
     except (RuntimeError, ValueError, TypeError) as exc:
-        return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).splitlines()[0]
+        return grammar_error_message(exc)
     return None
 
 
