@@ -37,8 +37,7 @@ from gateway.settings import (
 )
 from gateway.spawn import SpawnConfig
 from gateway.tool_parsers import TOOL_PARSERS
-
-INDEX_SCHEMES = ("memory", "redis", "rediss", "unix")
+from prefix_index.index import INDEX_SCHEMES
 
 
 def has_tokenizer_files(path: Path) -> bool:
@@ -126,8 +125,9 @@ _SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_ttl", "with --routing prefix: seconds a routed prompt counts as cached on its replica "
             "before the engine's own KV events confirm it", positive_float, 10.0, metavar="SECONDS",
             group="engines"),
-    Setting("index_url", "prefix index: memory:// or redis://host:port/db; spawned engines publish "
-            "their KV events to a redis:// one; read by prefix-aware routing (least-load and round-robin "
+    Setting("index_url", "prefix index: memory://, redis://[:PASSWORD@]host:port/db or "
+            "redis+cluster://[:PASSWORD@]host:port,host:port,... (Redis Cluster); spawned engines publish "
+            "their KV events to a Redis one; read by prefix-aware routing (least-load and round-robin "
             "do not)", _index_url, "memory://", group="engines"),
     Setting("engine_startup_timeout", "seconds to wait for an engine to become ready at start",
             positive_float, 600.0, group="engines"),

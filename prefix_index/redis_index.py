@@ -22,17 +22,23 @@ which is exact whatever it holds. Clearing a replica is one UNLINK of its keys, 
 Hashes travel as one concatenated string (16 bytes each) rather than one argument per hash, which
 keeps the client's encoding and the script's argument setup cheap. Expiry uses the server clock
 (TIME), so gateways and engines need no synchronized clocks. Needs Redis >= 7.0.
+
+On a Redis Cluster (``redis+cluster://``) every key of one index shares the hash tag
+``{model:block_size}``: the scripts, which build replica keys from the prefix, run on the one
+node that holds that slot, and redis-py routes each call there by ``KEYS[1]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from prefix_index.events import (
     AllCleared,
@@ -44,7 +50,7 @@ from prefix_index.events import (
     pack_block_hashes,
 )
 from prefix_index.hashing import HASH_BYTES, BlockHash
-from prefix_index.index import IndexUnavailableError, PrefixIndex, ttl_ms
+from prefix_index.index import CLUSTER_SCHEMES, IndexUnavailableError, PrefixIndex, ttl_ms
 
 # The index must never hold up routing: fail within about a second and retry once, which is
 # enough to replace a pooled connection that a Redis restart broke. URL query options override.
@@ -274,7 +280,7 @@ class RedisPrefixIndex(PrefixIndex):
         super().__init__(model, block_size, namespace)
         self._reap_after_ms = ttl_ms(reap_after_s)
         self._owns_client = client is None
-        self._redis = client if client is not None else Redis.from_url(url, **_CLIENT_DEFAULTS)
+        self._redis = client if client is not None else _client(url)
         self._keys = [f"{self.key_prefix}:live"]
         self._lookup = self._redis.register_script(_LOOKUP)
         self._apply = self._redis.register_script(_APPLY)
@@ -340,8 +346,32 @@ class RedisPrefixIndex(PrefixIndex):
             await self._redis.aclose()
 
 
+def _client(url: str) -> Redis | RedisCluster:
+    """A client for a ``redis://``-style URL, or a ``RedisCluster`` for a ``redis+cluster://`` one.
+
+    A cluster URL lists its start-up nodes comma-separated (``redis+cluster://:PASS@a:6379,b:6379``);
+    credentials, path and query options apply to every node."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return Redis.from_url(url, **_CLIENT_DEFAULTS)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for host in hosts.split(","):
+        node = urlsplit(f"//{host}")
+        try:
+            port = node.port or 6379
+        except ValueError:
+            port = None
+        if not node.hostname or port is None:
+            raise ValueError(f"cluster index URL: {host!r} is not host[:port] in {url!r}")
+        nodes.append(ClusterNode(node.hostname, port))
+    first = urlunsplit((parts.scheme.removesuffix("+cluster"), userinfo + at + hosts.split(",")[0],
+                        parts.path, parts.query, ""))
+    return RedisCluster.from_url(first, startup_nodes=nodes[1:], **_CLIENT_DEFAULTS)
+
+
 async def _unavailable_on_error(call: Awaitable[Any]) -> Any:
     try:
         return await call
-    except (RedisError, OSError) as e:
+    except (RedisError, RedisClusterException, OSError) as e:  # the cluster's own errors are no RedisError
         raise IndexUnavailableError(f"redis: {e}") from e

@@ -75,6 +75,10 @@ def test_spawned_engines_publish_to_a_shared_index_only():
     redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
     assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
     assert "--index-url" not in load_config(["--index-url", "memory://"], environ={}).spawn.argv("h", 1, 0)
+    cluster = "redis+cluster://:pw@10.0.0.1:6379,10.0.0.2:6379"
+    argv = load_config(["--index-url", cluster], environ={}).spawn.argv("h", 1, 0)
+    assert argv[argv.index("--index-url") + 1] == cluster
+    assert load_config(["--index-url", cluster, "--engine", "http://e:1"], environ={}).index_url == cluster
 
 
 @pytest.mark.parametrize("argv, env, named", [
