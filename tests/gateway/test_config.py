@@ -115,3 +115,16 @@ def test_cli_exits_2_naming_the_flag():
 
 def test_env_lists_are_comma_separated_and_trimmed():
     assert load_config(ENGINE, environ={"API_KEYS": "k1, k2,"}).api_keys == ("k1", "k2")
+
+
+def test_engine_dns_names_a_headless_service_and_excludes_spawning():
+    config = load_config(["--engine-dns", "kvgate-engine.kvgate.svc:8100"], environ={})
+    assert (config.engine_dns, config.spawn, config.engines) == (("kvgate-engine.kvgate.svc", 8100), None, ())
+    assert load_config([], environ={"KVGATE_ENGINE_DNS": "e:1"}).engine_dns == ("e", 1)
+    for bad in ("kvgate-engine", "kvgate-engine:http", ":8100", "e:0", "http://e:8100"):
+        with pytest.raises(ConfigError, match="--engine-dns=.*NAME:PORT"):
+            load_config(["--engine-dns", bad], environ={})
+    with pytest.raises(ConfigError, match="--engine-dns and --spawn-engines exclude each other"):
+        load_config(["--engine-dns", "e:1", "--spawn-engines", "2"], environ={})
+    with pytest.raises(ConfigError, match="--model only applies with --spawn-engines"):
+        load_config(["--engine-dns", "e:1", "--model", "x"], environ={})
