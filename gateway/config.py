@@ -37,7 +37,7 @@ from gateway.settings import (
 )
 from gateway.spawn import SpawnConfig
 from gateway.tool_parsers import TOOL_PARSERS
-from prefix_index.index import INDEX_SCHEMES
+from prefix_index.index import INDEX_SCHEMES, redact_url
 
 
 def has_tokenizer_files(path: Path) -> bool:
@@ -220,9 +220,9 @@ class GatewayConfig:
             "spawn_engines": self.spawn.count if self.spawn else 0,
             "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
             "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
-            "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
-            "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
-            "root_path": self.root_path,
+            "index_url": redact_url(self.index_url), "routing": self.routing,
+            "prefix_load_bound": self.prefix_load_bound, "index_lookup_timeout": self.index_lookup_timeout,
+            "speculative_ttl": self.speculative_ttl, "root_path": self.root_path,
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
             "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
             "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,

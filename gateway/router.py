@@ -36,7 +36,7 @@ import structlog
 
 from gateway.replica import Replica
 from prefix_index.hashing import BlockHash, block_hashes
-from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
+from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index, redact_url
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -296,7 +296,7 @@ class PrefixRouter(Router):
 
     async def start(self, model: str, block_size: int) -> None:
         index = open_index(self._index_url, model, block_size)
-        self._index = GuardedIndex(index, self._index_url, self._settings.lookup_timeout_s, self._metrics)
+        self._index = GuardedIndex(index, redact_url(self._index_url), self._settings.lookup_timeout_s, self._metrics)
         self._block_size = block_size
         if urlsplit(self._index_url).scheme == "memory":
             log.warning("prefix_index_local", index_url=self._index_url,

@@ -27,7 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from prefix_index.events import KVEventBatch
 from prefix_index.hashing import BlockHash
@@ -171,6 +171,16 @@ def open_index(
 
         return RedisPrefixIndex(url, model, block_size, namespace, reap_after_s, redis_client)
     raise ValueError(f"index URL must start with one of {', '.join(s + '://' for s in INDEX_SCHEMES)}: {url!r}")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://:PASSWORD@host``) replaced by ``***``, for logs."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def ttl_ms(ttl_s: float) -> int:

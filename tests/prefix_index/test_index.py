@@ -14,7 +14,7 @@ from redis.crc import key_slot
 
 from prefix_index.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
-from prefix_index.index import IndexUnavailableError, open_index
+from prefix_index.index import IndexUnavailableError, open_index, redact_url
 
 BS = 16
 LIVE_S = 60.0
@@ -453,6 +453,13 @@ async def test_a_cluster_failover_of_the_models_slot_keeps_the_index(tmp_path):
             if opened is not None:
                 await opened.close()
         cluster.stop()
+
+
+def test_logged_urls_hide_the_password():
+    assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redact_url("redis+cluster://app:s3cret@a:1,b:2/0?x=1") == "redis+cluster://app:***@a:1,b:2/0?x=1"
+    assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert redact_url("memory://") == "memory://"
 
 
 @pytest.mark.parametrize("url", [
