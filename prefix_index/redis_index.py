@@ -30,6 +30,7 @@ node that holds that slot, and redis-py routes each call there by ``KEYS[1]``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -149,6 +150,8 @@ end
 return out
 """
 )
+
+LOOKUP_SHA = hashlib.sha1(_LOOKUP.encode()).hexdigest()  # names lookups in Redis's slow log and stats
 
 # KEYS[1] live; ARGV[3] replica, ARGV[4] epoch, ARGV[5] one op per event (S store, R remove,
 # C clear), ARGV[6] the hash count of each event, ARGV[7] the hashes of all events, each store
