@@ -98,11 +98,21 @@ local function h(i)
   end
   return v
 end
--- Number of leading positions where held(i) is true, for a held() that is true up to some point.
-local function leading(held)
+-- Number of leading positions where held(i) is true, for a held() that is true up to some point,
+-- trying ``hint`` first: replicas sharing a prompt's system prompt mostly stop where the one before
+-- stopped, and then two probes answer instead of a whole binary search.
+local function leading(held, hint)
   if n == 0 or not held(1) then return 0 end
-  if held(n) then return n end
-  local lo, hi = 1, n  -- held(lo), not held(hi)
+  local lo, hi = 1, n  -- held(lo), not held(hi) once held(n) is known false
+  if hint > 1 and hint < n then
+    if held(hint) then
+      if not held(hint + 1) then return hint end
+      lo = hint + 1
+    else
+      hi = hint
+    end
+  end
+  if hi == n and held(n) then return n end
   while hi - lo > 1 do
     local mid = math.floor((lo + hi) / 2)
     if held(mid) then lo = mid else hi = mid end
@@ -129,6 +139,7 @@ local function walk(pkey, skey, has_spec)
   return matched
 end
 local out = {}
+local hint = 0  -- the last replica's durable match
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
   local pkey, _, hkey, skey = replica_keys(replica)
   local has_spec = redis.call('EXISTS', skey) == 1
@@ -136,12 +147,15 @@ for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf'
   if redis.call('EXISTS', hkey) == 1 then
     matched = walk(pkey, skey, has_spec)
   else
-    matched = leading(function(i) return redis.call('HEXISTS', pkey, h(i)) == 1 end)
-    if has_spec and matched < n then
-      matched = math.max(matched, leading(function(i)
-        local e = redis.call('ZSCORE', skey, h(i))
-        return e and tonumber(e) > now
-      end))
+    matched = leading(function(i) return redis.call('HEXISTS', pkey, h(i)) == 1 end, hint)
+    if matched > 0 then hint = matched end
+    local function spec_held(i)
+      local e = redis.call('ZSCORE', skey, h(i))
+      return e and tonumber(e) > now
+    end
+    -- speculative entries matter only past the durable match: one probe says whether they reach it
+    if has_spec and matched < n and spec_held(matched + 1) then
+      matched = leading(spec_held, matched + 1)
     end
   end
   out[#out + 1] = replica

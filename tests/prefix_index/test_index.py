@@ -54,6 +54,23 @@ async def test_longest_prefix_counts_only_unbroken_chains(open_test_index):
     assert await index.lookup(chain(8, seed=1)) == {"gap": 0, "deep": 0, "empty": 0, "tail": 0}
 
 
+async def test_many_replicas_with_matches_above_below_and_equal_to_their_neighbours(open_test_index):
+    """Redis tries the last replica's match first: every order of deeper, shallower, equal, full and
+    empty answers is exact, and speculative entries count only past the durable match."""
+    index = open_test_index()
+    h = chain(12)
+    depths = [5, 5, 3, 12, 0, 5, 7, 1, 11, 6, 2, 12, 5]
+    for i, depth in enumerate(depths):
+        await join(index, f"r{i:02}", h[:depth])
+    await index.insert_speculative("r02", h[:9], LIVE_S)  # 3 durable, 9 speculative
+    await index.insert_speculative("r06", h[:4], LIVE_S)  # shorter than its 7 durable
+    await index.insert_speculative("r04", h[:1], LIVE_S)  # nothing durable
+    expected = {f"r{i:02}": d for i, d in enumerate(depths)} | {"r02": 9, "r04": 1}
+    assert await index.lookup(h) == expected
+    assert await index.lookup(h[:6]) == {r: min(d, 6) for r, d in expected.items()}
+    assert await index.lookup(h[:1]) == {r: min(d, 1) for r, d in expected.items()}
+
+
 async def test_holes_left_by_evictions_cut_the_prefix_until_refilled(open_test_index):
     index = open_test_index()
     h = chain(8)
