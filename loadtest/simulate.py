@@ -499,7 +499,6 @@ async def simulate(args: argparse.Namespace, model: StepModel, replicas: int, co
     try:
         if server:
             server.client.slowlog_reset()
-            base_memory = server.client.info("memory")["used_memory"]
         with simulated_clock(lambda: fleet.now):
             r = await fleet.run()
         lookups = [] if server is None else _lookup_micros(server)
@@ -521,15 +520,20 @@ async def simulate(args: argparse.Namespace, model: StepModel, replicas: int, co
         if hist["count"]:  # the router's own timing of its lookups (wall clock: this host's load counts)
             record["lookup_mean_ms"] = round(hist["sum"] / hist["count"] * 1e3, 3)
         if server:
-            used = server.client.info("memory")["used_memory"] - base_memory
+            by_kind: dict[str, int] = {}  # the index's bytes by key kind: parent, children, holes, spec, ...
+            for key in server.client.scan_iter(match=f"{fleet.index.key_prefix}:*", count=1000):
+                kind = key.decode().removeprefix(fleet.index.key_prefix + ":").split(":")[0]
+                by_kind[kind] = by_kind.get(kind, 0) + (server.client.memory_usage(key, samples=0) or 0)
             scripts = server.client.info("commandstats")["cmdstat_evalsha"]  # every index call is one script
             blocks = sum(len(e.refs) for e in fleet.engines)
+            used = sum(by_kind.values())  # the keys alone: the slow log kept for the timings takes memory too
             record |= {
                 "redis_lookup_us_p50": round(_percentile(lookups, 50), 1),
                 "redis_lookup_us_p99": round(_percentile(lookups, 99), 1),
                 "redis_lookups_timed": len(lookups),
-                "redis_memory_per_replica_kib": round(used / replicas / 1024, 1),
+                "redis_index_kib_per_replica": round(used / replicas / 1024, 1),
                 "redis_bytes_per_cached_block": round(used / blocks) if blocks else None,
+                "redis_key_kib_per_replica": {k: round(v / replicas / 1024, 1) for k, v in sorted(by_kind.items())},
                 "redis_calls_per_simulated_s": round(scripts["calls"] / fleet.now),
                 # of one Redis core, at the simulated request rate: where one Redis (or one cluster slot) fills up
                 "redis_busy_fraction": round(scripts["usec"] / 1e6 / fleet.now, 3),
