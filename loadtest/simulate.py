@@ -61,7 +61,7 @@ from engine.protocol import EngineStats
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.replica import Replica
-from gateway.router import LOAD_OVERRIDE, ROUTERS, PrefixRouter, PrefixSettings, Router, RouteRequest
+from gateway.router import LOAD_OVERRIDE, NO_INDEX, ROUTERS, PrefixRouter, PrefixSettings, Router, RouteRequest
 from loadtest.stamp import stamp
 from loadtest.workload import WORDS, Workload, WorkloadConfig
 from prefix_index import memory as memory_index
@@ -309,6 +309,7 @@ class Result:
     cached_tokens: int = 0
     ideal_tokens: int = 0
     load_overrides: int = 0
+    no_index: int = 0  # routed by load: the index failed or was backing off
     ttft: list[float] = field(default_factory=list)
     route_cpu_s: float = 0.0
     lookups: list[float] = field(default_factory=list)
@@ -430,6 +431,7 @@ class Fleet:
             r.cached_tokens += req.cached_tokens
             r.ideal_tokens += req.ideal_blocks * BLOCK_SIZE
             r.load_overrides += req.reason == LOAD_OVERRIDE
+            r.no_index += req.reason == NO_INDEX
             r.ttft.append(req.first_token - req.arrival)
         for req in done:
             req.replica.streams.discard(req)
@@ -508,7 +510,7 @@ async def simulate(args: argparse.Namespace, model: StepModel, replicas: int, co
             "hit_rate": round(r.cached_tokens / r.prompt_tokens, 4),
             "ideal_hit_rate": round(r.ideal_tokens / r.prompt_tokens, 4),
             "of_ideal": round(r.cached_tokens / r.ideal_tokens, 4) if r.ideal_tokens else None,
-            "load_overrides": r.load_overrides,
+            "load_overrides": r.load_overrides, "no_index": r.no_index,
             "ttft_p50_ms": round(_percentile(r.ttft, 50) * 1e3, 1),
             "ttft_p90_ms": round(_percentile(r.ttft, 90) * 1e3, 1),
             "ttft_p99_ms": round(_percentile(r.ttft, 99) * 1e3, 1),
