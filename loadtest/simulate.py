@@ -492,7 +492,8 @@ class ThrowawayRedis:
 
 
 async def simulate(args: argparse.Namespace, model: StepModel, replicas: int, conversations: int,
-                   policy: str) -> dict:
+                   policy: str, stamped: dict) -> dict:
+    """One run's record; ``stamped`` is the commit and date the runs started at (:func:`loadtest.stamp.stamp`)."""
     server = ThrowawayRedis() if args.backend == "redis" else None
     index_url = server.url if server else f"memory://simulate-{replicas}-{policy}"
     fleet = Fleet(args, model, replicas, conversations, policy, index_url)
@@ -544,7 +545,7 @@ async def simulate(args: argparse.Namespace, model: StepModel, replicas: int, co
         if server:
             server.close()
     return record | {"model_fit": dataclasses.asdict(model), "workload": WorkloadConfig(seed=args.seed).to_json(),
-                     "rate_per_replica": args.rate, "think_time_s": args.think_time, **stamp()}
+                     "rate_per_replica": args.rate, "think_time_s": args.think_time, **stamped}
 
 
 def _lookup_micros(server: ThrowawayRedis) -> list[float]:
@@ -579,9 +580,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown policy {unknown[0]!r}; choose from {', '.join(ROUTERS)}")
     configure_logging("ERROR")  # the router warns that a memory:// index is local: here that is the point
     model = StepModel.fit()
+    stamped = stamp()  # the code that runs is the code at the start, whatever the tree becomes meanwhile
     for replicas, conversations in zip(sizes, counts, strict=True):
         for policy in policies:
-            record = asyncio.run(simulate(args, model, replicas, conversations, policy))
+            record = asyncio.run(simulate(args, model, replicas, conversations, policy, stamped))
             line = json.dumps(record)
             print(line, flush=True)
             if args.out:

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from loadtest.simulate import BENCH, BLOCK_SIZE, Conversations, SimEngine, SimRequest, StepModel, simulate
+from loadtest.stamp import stamp
 from loadtest.workload import WorkloadConfig
 from prefix_index.events import KVEventBatch
 from prefix_index.hashing import block_hashes
@@ -75,8 +76,9 @@ def test_each_turn_extends_the_last():
 def test_prefix_routing_beats_round_robin_in_a_small_fleet():
     args = argparse.Namespace(backend="memory", rate=1.0, think_time=2.0, seed=0)
     model = StepModel.fit(BENCH)
-    prefix = asyncio.run(simulate(args, model, 4, 40, "prefix"))
-    baseline = asyncio.run(simulate(args, model, 4, 40, "round-robin"))
+    stamped = stamp()
+    prefix = asyncio.run(simulate(args, model, 4, 40, "prefix", stamped))
+    baseline = asyncio.run(simulate(args, model, 4, 40, "round-robin", stamped))
     for record in (prefix, baseline):
         assert record["requests"] == 40 * 8 and record["ideal_hit_rate"] > 0.5
     assert prefix["of_ideal"] > 0.95 > baseline["of_ideal"]
