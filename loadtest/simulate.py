@@ -476,7 +476,7 @@ class ThrowawayRedis:
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--slowlog-log-slower-than", "0", "--slowlog-max-len", "1000000"],
             cwd=self.dir.name, stdout=subprocess.DEVNULL)
-        self.client = redis.Redis(port=self.port)
+        self.client = redis.Redis(port=self.port, socket_timeout=300)  # its slow log can be long to fetch
         for _ in range(200):
             with contextlib.suppress(redis.ConnectionError):
                 self.client.ping()
