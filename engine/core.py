@@ -244,11 +244,14 @@ class EngineCore:
         logprobs = None
         if seq.sampling.logprobs is not None:
             logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        first = seq.index == 0 and new_tokens and seq.num_sent_tokens == len(new_tokens)
+        prompt_logprobs = seq.prompt_logprobs if first and seq.sampling.prompt_logprobs is not None else None
         return OutputFrame(
             request_id=seq.request_id,
             index=seq.index,
             token_ids=new_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,

@@ -1,0 +1,78 @@
+"""Prompt logprobs computed in the prefill equal HF transformers' log-softmax (fp32 CPU, SmolLM2), on a
+cold prompt and on one whose prefix is cached; a chunked, preempted or n > 1 request gets them once."""
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.protocol import GenerateRequest, SamplingParams
+
+K = 3
+PROMPT = [random.Random(7).randrange(300, 12000) for _ in range(90)]
+
+
+def run(core: EngineCore, requests: list[GenerateRequest]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for req in requests:
+        core.add_request(req)
+    while core.has_work():
+        for frame in core.step():
+            entry = out.setdefault((frame.request_id, frame.index), {"tokens": [], "prompt": None, "cached": 0})
+            entry["tokens"] += frame.token_ids
+            entry["cached"] = max(entry["cached"], frame.num_cached_tokens)
+            if frame.prompt_logprobs is not None:
+                assert entry["prompt"] is None, "prompt logprobs come once"
+                entry["prompt"] = frame.prompt_logprobs
+        core.check_integrity()
+    return out
+
+
+def request(rid: str, prompt_logprobs: int | None, n: int = 1) -> GenerateRequest:
+    return GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=n,
+                                                       prompt_logprobs=prompt_logprobs))
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(hf_gguf_model):
+    with torch.inference_mode():
+        logits = hf_gguf_model(torch.tensor([PROMPT])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def check(prompt_logprobs, reference: torch.Tensor, k: int) -> None:
+    assert len(prompt_logprobs) == len(PROMPT) - 1
+    for pos, lp in enumerate(prompt_logprobs):
+        row = reference[pos]
+        token = PROMPT[pos + 1]
+        assert abs(lp.logprob - row[token].item()) < 1e-4
+        assert lp.rank == int((row > row[token]).sum()) + 1
+        assert len(lp.top) == k
+        top_values, top_ids = row.topk(k)
+        for (tid, value), ref in zip(lp.top, top_values.tolist()):
+            assert abs(value - ref) < 1e-4 and abs(row[tid].item() - value) < 1e-4
+        if k:
+            assert abs(lp.top[0][1] - top_values[0].item()) < 1e-4
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_hf_cold_and_on_a_prefix_hit(smollm2, hf_prompt_logprobs):
+    model, config = smollm2
+    # a 32-token budget prefills the 90-token prompt in three chunks
+    core = EngineCore.from_model(EngineConfig(model="smollm2", max_num_batched_tokens=32, num_kv_blocks=64),
+                                 model, config)
+    cold = run(core, [request("cold", K)])[("cold", 0)]
+    assert cold["cached"] == 0
+    check(cold["prompt"], hf_prompt_logprobs, K)
+
+    plain = run(core, [request("plain", None)])[("plain", 0)]
+    assert plain["cached"] >= 80 and plain["prompt"] is None  # the prompt is cached now
+
+    # A hit: the request that asks for prompt logprobs recomputes the cached prefix, and is exact.
+    hit = run(core, [request("hit", 0, n=2)])
+    assert hit[("hit", 0)]["cached"] == 0
+    check(hit[("hit", 0)]["prompt"], hf_prompt_logprobs, 0)
+    assert hit[("hit", 1)]["prompt"] is None and hit[("hit", 1)]["cached"] >= 80  # the sibling reuses it
+    assert hit[("hit", 0)]["tokens"] == cold["tokens"] == plain["tokens"]
