@@ -144,12 +144,12 @@ class OutputFrame:
     index: int = 0  # which of the n sequences
     token_ids: list[int] = field(default_factory=list)  # new tokens since the last frame
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked
-    # sequence 0's first frame with tokens, when asked: one per prompt token after the first
-    prompt_logprobs: list[PromptLogprob] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # sequence 0's first frame with tokens, when asked: one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -167,10 +168,14 @@ class Serving:
     async def _chat_plan(self, req: ChatCompletionRequest) -> Plan:
         tools = req.tool_use
         await self._check_grammars(req)
-        chat = self.tokenizer.chat_prompt(req.template_messages(), tools.tools, req.template_kwargs())
-        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(chat.token_ids), self.model.limits,
+        chat = self.tokenizer.chat_prompt(req.template_messages(), tools.tools, req.template_kwargs(),
+                                          req.add_generation_prompt, req.continue_final_message)
+        token_ids = req.truncated(chat.token_ids, self.model.limits)
+        dropped = len(chat.token_ids) - len(token_ids)
+        boundaries = [b - dropped for b in chat.cache_boundaries if b > dropped]
+        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(token_ids), self.model.limits,
                                 "top_logprobs")
-        return Plan([Prompt(chat.token_ids, chat.cache_boundaries, sampling)], self._chat_output(req))
+        return Plan([Prompt(token_ids, boundaries, sampling)], self._chat_output(req))
 
     def _chat_output(self, req: ChatCompletionRequest) -> Callable[[], ChoiceOutput] | None:
         """How each choice's text is parsed. A constrained output is what its grammar allows from the
@@ -204,6 +209,7 @@ class Serving:
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             batch.append(prompt)
+        batch = [req.truncated(ids, self.model.limits) for ids in batch]
         return Plan([Prompt(ids, [], req.sampling(req.max_tokens, req.logprobs, len(ids), self.model.limits,
                                                   "logprobs")) for ids in batch])
 
@@ -217,7 +223,7 @@ class Serving:
     def _build_run(self, req: SamplingFields, plan: Plan, id_prefix: str, record: RequestRecord) -> Run:
         stops = req.stop_strings()
         prompts = plan.prompts
-        salt = None if self.config.shared_prefix_cache else record.tenant
+        salt = request_salt(None if self.config.shared_prefix_cache else record.tenant, req.cache_salt)
         prefix = id_prefix + uuid.uuid4().hex
         jobs, choices = [], []
         for p, prompt in enumerate(prompts):
@@ -232,8 +238,10 @@ class Serving:
             request = GenerateRequest(request_id, prompt.token_ids, prompt.sampling, salt, prompt.cache_boundaries)
             jobs.append(Job(request, job_choices, open=n, running=n))
             choices += job_choices
-        # every prompt of a request asks for logprobs or none does
-        return Run(jobs, choices, logprobs=prompts[0].sampling.logprobs is not None)
+        # every prompt of a request asks for logprobs or none does, and so for prompt logprobs
+        sampling = prompts[0].sampling
+        return Run(jobs, choices, logprobs=sampling.logprobs is not None,
+                   prompt_logprobs=sampling.prompt_logprobs is not None)
 
     async def _route(self, run: Run, record: RequestRecord) -> None:
         """Open every job's engine stream (the pool fails over between replicas)."""
@@ -314,6 +322,14 @@ class Serving:
             error = APIError(500, "internal server error")
         yield f"data: {dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def request_salt(tenant_salt: str | None, cache_salt: str | None) -> str | None:
+    """The engine's salt: the tenant's (None when prefixes are shared), and a request's cache_salt
+    added to it, never replacing it: requests share KV only when both are equal."""
+    if cache_salt is None:
+        return tenant_salt
+    return json.dumps([tenant_salt, cache_salt], ensure_ascii=False)
 
 
 def _note_routing(run: Run, record: RequestRecord) -> None:
