@@ -106,6 +106,9 @@ class ResponseShape(ABC, Generic[_Req]):
             yield f'data: {head},"choices":[],"usage":{dumps(run.usage())}}}\n\n'
         yield "data: [DONE]\n\n"
 
+    async def finish(self, body: dict, req: _Req) -> None:
+        """A non-streamed body is done: nothing is kept (the Responses API stores some)."""
+
     def _opening(self, run: Run, req: _Req) -> list[dict]:
         """Choices sent before the first delta."""
         return []

@@ -470,6 +470,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
+    "input": "must be a string or a list of input items (messages, function_call, function_call_output, reasoning)",
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 

@@ -32,8 +32,10 @@ from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord
+from gateway.openai_responses import ResponsesRequest, ResponsesShape
 from gateway.reasoning import REASONING_PARSERS
 from gateway.replica import ModelInfo
+from gateway.response_store import ResponseStore
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
 from gateway.run import CallParser, Choice, ChoiceOutput, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
@@ -69,7 +71,7 @@ class Endpoint(Generic[_Req]):
 
     request_model: type[_Req]
     plan: Callable[[_Req], Awaitable[Plan]]
-    shape: ResponseShape[_Req]
+    shape: ResponseShape[_Req] | ResponsesShape
 
 
 def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
@@ -81,10 +83,11 @@ def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
 
 
 class Serving:
-    """Handlers for /v1/chat/completions and /v1/completions. Owns no clients: the app's lifespan does."""
+    """Handlers for /v1/chat/completions, /v1/completions and /v1/responses. Owns no clients: the app's
+    lifespan does."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher, model: ModelInfo,
-                 model_name: str, metrics: GatewayMetrics):
+                 model_name: str, metrics: GatewayMetrics, response_store: ResponseStore):
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
@@ -96,6 +99,8 @@ class Serving:
         self.reasoning_parser = REASONING_PARSERS.get(config.reasoning_parser)  # None: "none"
         self._chat = Endpoint(ChatCompletionRequest, self._chat_plan, ChatShape(tokenizer, model_name))
         self._completions = Endpoint(CompletionRequest, self._completion_plan, CompletionShape(tokenizer, model_name))
+        self.response_store = response_store
+        self._responses = Endpoint(ResponsesRequest, self._responses_plan, ResponsesShape(model_name, response_store))
 
     # --- endpoints ---
 
@@ -104,6 +109,9 @@ class Serving:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, self._completions)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, self._responses)
 
     async def _serve(self, request: Request, endpoint: Endpoint[_Req]) -> Response:
         record = record_of(request)
@@ -125,8 +133,9 @@ class Serving:
                 return EventStream(events, headers, lambda: self._finish(run, record))
             if not await self._collect(request, run):
                 return Response(status_code=499)  # nobody reads it; the log line says the client left
-            return Response(dumps(endpoint.shape.json(run, req, created)), headers=headers,
-                            media_type="application/json")
+            body = endpoint.shape.json(run, req, created)
+            await endpoint.shape.finish(body, req)
+            return Response(dumps(body), headers=headers, media_type="application/json")
         finally:
             if not handed_off:
                 await self._finish(run, record)
@@ -152,16 +161,24 @@ class Serving:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    async def admit(self, request: Request) -> bytes:
+        """Admission and the body, for the routes that do not generate (/tokenize, /detokenize)."""
+        return await self._admit(request)
+
     def _parse(self, model_cls: type[_Req], body: bytes) -> _Req:
         try:
             req = model_cls.model_validate_json(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
         req.check_supported()
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self.check_model(req.model)
         return req
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served one (or not given)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     # --- request → engine requests ---
 
@@ -196,6 +213,15 @@ class Serving:
         if tools.mode == "named":
             return functools.partial(NamedCall, tools.name)
         return None
+
+    async def _responses_plan(self, req: ResponsesRequest) -> Plan:
+        previous = None
+        if req.previous_response_id is not None:
+            previous = await self.response_store.get(req.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"no stored response {req.previous_response_id!r}: unknown, expired, or not "
+                                    "stored (store: true keeps one)", param="previous_response_id", code="not_found")
+        return await self._chat_plan(req.chat_request(previous))
 
     async def _completion_plan(self, req: CompletionRequest) -> Plan:
         await self._check_grammars(req)
