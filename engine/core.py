@@ -85,6 +85,8 @@ class EngineCore:
         )
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
+        self._queued_at: dict[str, float] = {}  # requests not scheduled yet
+        self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
         log.info(
             "kv_cache_ready",
@@ -193,11 +195,13 @@ class EngineCore:
             for i in range(sampling.n)
         ]
         self.requests[rid] = seqs
+        self._queued_at[rid] = time.perf_counter()
         self.scheduler.add_request(seqs)
 
     def abort(self, request_id: str) -> list[OutputFrame]:
         """Finish every unfinished sequence of the request with reason "abort"; frees blocks."""
         seqs = self.requests.pop(request_id, None)
+        self._queued_at.pop(request_id, None)
         if seqs is None:
             return []
         frames = []
@@ -216,6 +220,10 @@ class EngineCore:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
+        for seq, _ in scheduled:
+            queued_at = self._queued_at.pop(seq.request_id, None)
+            if queued_at is not None:
+                self._queue_times.append(t0 - queued_at)
         self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
         sampled = self.runner.execute(scheduled)
         outputs = self.scheduler.update(scheduled, sampled)
@@ -227,6 +235,11 @@ class EngineCore:
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
         return frames
+
+    def take_queue_times(self) -> list[float]:
+        """Each request's wait from arrival to the first step that ran it, since the last call."""
+        times, self._queue_times = self._queue_times, []
+        return times
 
     def _copy_blocks(self) -> None:
         copies = self.kv.take_block_copies()

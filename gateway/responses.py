@@ -241,13 +241,15 @@ class CompletionShape(ResponseShape[CompletionRequest]):
         text = d.text
         logprobs = self._logprobs(d.token_ids, d.logprobs, d.offsets) if run.logprobs else None
         choice: dict[str, Any] = {"index": d.index}
+        job = run.job_of(run.choices[d.index])
         if d.first:
-            job = run.job_of(run.choices[d.index])
             if req.echo:
                 echo, logprobs = self._echo(job, req, logprobs)
                 text = echo + text
             if req.return_token_ids:
                 choice["prompt_token_ids"] = job.request.prompt_ids
+        elif req.echo and logprobs is not None:
+            logprobs["text_offset"] = [o + len(job.echo_text) for o in logprobs["text_offset"]]
         choice.update(text=text, logprobs=logprobs, finish_reason=d.finish_reason)
         return [choice]
 
@@ -256,6 +258,7 @@ class CompletionShape(ResponseShape[CompletionRequest]):
         prompt = SequenceText(self.tokenizer, [], skip_special_tokens=req.skip_special_tokens)
         offsets = prompt.add(job.request.prompt_ids)
         prompt.finish()
+        job.echo_text = prompt.text
         if logprobs is None:
             return prompt.text, None
         tok, k = self.tokenizer, req.logprobs

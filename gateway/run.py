@@ -119,6 +119,7 @@ class Job:
     cached_tokens: int = 0
     stream: RoutedStream | None = None  # once routed
     prompt_logprobs: list[PromptLogprob] | None = None  # of prompt tokens 1, 2, ... once the engine sent them
+    echo_text: str | None = None  # the prompt as a completions echo shows it, once a response shape made it
 
     @property
     def done(self) -> bool:

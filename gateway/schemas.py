@@ -408,8 +408,8 @@ def _tool_dict(tool: Tool) -> dict[str, Any]:
 
 def _message_text(i: int, m: ChatMessage) -> str:
     if m.content is None:
-        if m.tool_calls:
-            return ""  # an assistant message with only calls; "" as templates that concatenate need
+        if m.tool_calls or m.refusal is not None:
+            return ""  # an assistant message with only calls or a refusal; "" as templates that concatenate need
         raise APIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
     if isinstance(m.content, str):
         return m.content

@@ -174,11 +174,11 @@ def test_function_tool_round_trip_on_smollm2(smollm2_gateway):
 def test_text_format_json_schema_on_smollm2(smollm2_gateway):
     client = openai.OpenAI(base_url=smollm2_gateway.url + "/v1", api_key="none", max_retries=0, timeout=120)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+                                               "adult": {"type": "boolean"}},
+              "required": ["name", "adult"], "additionalProperties": False}
     resp = client.responses.create(input="Invent a person.", max_output_tokens=80, temperature=0,
                                    text={"format": {"type": "json_schema", "name": "person", "schema": schema,
                                                     "strict": True}})
     person = json.loads(resp.output_text)
-    assert resp.status == "completed" and set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert resp.status == "completed" and set(person) == {"name", "adult"} and isinstance(person["adult"], bool)
     assert resp.text.format.type == "json_schema"
