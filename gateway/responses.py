@@ -168,7 +168,7 @@ class ChatShape(ResponseShape[ChatCompletionRequest]):
                 "finish_reason": c.finish_reason}
 
     @staticmethod
-    def _message(c: Choice, echo: str) -> dict:
+    def _message(c: Choice, echo: str = "") -> dict:
         out = c.output
         if out is None:
             return {"role": "assistant", "content": echo + c.seq.text}
