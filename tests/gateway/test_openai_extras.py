@@ -251,3 +251,16 @@ def test_vllm_metric_names_move_under_load(gateway, dummy_engine):
     assert after["vllm:prefix_cache_queries"] > before["vllm:prefix_cache_queries"] + 4 * 100
     assert after["vllm:prefix_cache_hits"] >= before["vllm:prefix_cache_hits"]
     assert after["vllm:inter_token_latency_seconds"] >= during["vllm:inter_token_latency_seconds"]
+
+
+def test_streamed_completion_logprobs_hold_the_sampled_token(gateway):
+    """Issue 17's first defect, streamed: logprobs=k gives at most k + 1 entries, the sampled token's among
+    them, over 50 tokens sampled at temperature 1.5."""
+    chunks = list(sync_client(gateway).completions.create(model=MODEL, prompt="Logprobs", max_tokens=50,
+                                                          temperature=1.5, seed=3, logprobs=2, stream=True,
+                                                          extra_body=NO_EOS))
+    entries = [(token, lp, top) for c in chunks for token, lp, top in
+               zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs,
+                   c.choices[0].logprobs.top_logprobs)]
+    assert len(entries) == 50
+    assert all(top[token] == lp and len(top) <= 3 for token, lp, top in entries)
