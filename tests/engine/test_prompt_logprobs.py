@@ -99,3 +99,28 @@ def test_prompt_logprobs_match_hf_cold_and_on_a_prefix_hit(smollm2, hf_prompt_lo
     check(hit[("hit", 0)]["prompt"], hf_prompt_logprobs, 0)
     assert hit[("hit", 1)]["prompt"] is None and hit[("hit", 1)]["cached"] >= 80  # the sibling reuses it
     assert hit[("hit", 0)]["tokens"] == cold["tokens"] == plain["tokens"]
+
+
+def test_preempted_prefill_gives_the_same_prompt_logprobs_once():
+    """A request asking for prompt logprobs is preempted mid-prefill (its own next chunk does not fit
+    beside a long request), more than once; it recomputes from the start, never from the blocks it had
+    cached, and its prompt logprobs equal those of an engine without pressure."""
+    prompt = [random.Random(1).randrange(10, 500) for _ in range(100)]
+    long_one = GenerateRequest("long", list(range(20, 170)), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                           ignore_eos=True))
+
+    def engine(num_kv_blocks: int) -> EngineCore:
+        config = EngineConfig(model="tiny", load_format="dummy", max_num_batched_tokens=32, num_kv_blocks=num_kv_blocks)
+        return EngineCore.from_config(config)
+
+    asked = GenerateRequest("asked", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                            prompt_logprobs=2))
+    tight = engine(14)
+    pressed = run(tight, [long_one, asked])[("asked", 0)]
+    assert tight.scheduler.num_preemptions >= 2 and pressed["cached"] == 0
+    free = run(engine(256), [asked])[("asked", 0)]
+    assert len(pressed["prompt"]) == len(free["prompt"]) == len(prompt) - 1
+    for a, b in zip(pressed["prompt"], free["prompt"]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.rank == b.rank
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert pressed["tokens"] == free["tokens"]
