@@ -297,7 +297,7 @@ class RedisPrefixIndex(PrefixIndex):
         super().__init__(model, block_size, namespace)
         self._reap_after_ms = ttl_ms(reap_after_s)
         self._owns_client = client is None
-        self._redis = client if client is not None else _client(url)
+        self._redis = client if client is not None else redis_client(url)
         self._keys = [f"{self.key_prefix}:live"]
         self._lookup = self._redis.register_script(_LOOKUP)
         self._apply = self._redis.register_script(_APPLY)
@@ -363,8 +363,9 @@ class RedisPrefixIndex(PrefixIndex):
             await self._redis.aclose()
 
 
-def _client(url: str) -> Redis | RedisCluster:
-    """A client for a ``redis://``-style URL, or a ``RedisCluster`` for a ``redis+cluster://`` one.
+def redis_client(url: str) -> Redis | RedisCluster:
+    """A client for a ``redis://``-style URL, or a ``RedisCluster`` for a ``redis+cluster://`` one (any
+    Redis user of ``--index-url`` opens it here, so every scheme works for all of them).
 
     A cluster URL lists its start-up nodes comma-separated (``redis+cluster://:PASS@a:6379,b:6379``);
     credentials, path and query options apply to every node."""

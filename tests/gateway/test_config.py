@@ -128,3 +128,15 @@ def test_engine_dns_names_a_headless_service_and_excludes_spawning():
         load_config(["--engine-dns", "e:1", "--spawn-engines", "2"], environ={})
     with pytest.raises(ConfigError, match="--model only applies with --spawn-engines"):
         load_config(["--engine-dns", "e:1", "--model", "x"], environ={})
+
+
+def test_a_cluster_index_url_serves_every_redis_user():
+    """The stored Responses conversations live where the index does: a cluster URL opens a cluster client."""
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+
+    from gateway.response_store import make_response_store
+
+    cluster = make_response_store("redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001", 60)
+    single = make_response_store("redis://127.0.0.1:6379/13", 60)
+    assert isinstance(cluster._redis, RedisCluster) and isinstance(single._redis, Redis)
