@@ -24,11 +24,11 @@ def dense_window_attention(batch, window: int) -> torch.Tensor:
     group = batch.q.shape[1] // batch.k_cache.shape[2]
     for i, ctx in enumerate(batch.seq_lens_cpu):
         start, end = batch.query_start_loc_cpu[i : i + 2]
-        pos = torch.arange(ctx)
+        pos = torch.arange(ctx, device=batch.q.device)
         blocks = batch.block_tables[i].long()[pos // block_size]
         k = batch.k_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)  # [ctx, heads, dim]
         v = batch.v_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
-        q_pos = torch.arange(ctx - (end - start), ctx)[:, None]
+        q_pos = torch.arange(ctx - (end - start), ctx, device=batch.q.device)[:, None]
         seen = (pos[None, :] <= q_pos) & (pos[None, :] > q_pos - window)
         scores = torch.einsum("thd,khd->htk", batch.q[start:end].float(), k) * batch.scale
         probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
