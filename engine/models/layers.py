@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.kv_groups import kv_layout
 from engine.models.rope import rope_cos_sin_cache
 from kernels import KernelOps
 
@@ -82,6 +83,7 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.window = config.layer_window(layer)
+        self.kv_group = kv_layout(config).layer_group[layer]  # whose block tables the layer reads
         # qkv_proj is applied by the input norm (RMSNorm.linear)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, ops, factory)
         self.o_proj = Linear(self.q_size, config.hidden_size, ops, factory)
@@ -108,6 +110,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = qkv.shape[0]
         q, k, v = self.split_heads(qkv)
+        attn = attn.group(self.kv_group)
         window = self.window or None
         if attn.fused_decode:  # RoPE, the K/V store and attention in one launch
             out = self.ops.decode_attention(
