@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -29,13 +30,14 @@ from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import AuthMiddleware, RequestContextMiddleware
+from gateway.middleware import AuthMiddleware, RequestContextMiddleware, SaltKey
 from gateway.pool import EnginePool
 from gateway.router import make_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving
 from gateway.spawn import EngineProcesses
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
+from gateway.workers import WorkerPool
 
 log = structlog.get_logger("gateway")
 
@@ -101,7 +103,10 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        procs = EngineProcesses(config.spawn) if config.spawn is not None else None
+        # Spawned engines get a fresh secret unless one is given: it also keys the tenants' cache salts.
+        engine_token = config.engine_token or (secrets.token_hex(32) if config.spawn is not None else None)
+        procs = EngineProcesses(config.spawn, engine_token) if config.spawn is not None else None
+        workers = WorkerPool(config.render_threads, config.render_queue, config.render_timeout)
         # One connection pool for all engines; --max-in-flight bounds the connections, and kept-alive
         # ones spare the hot path a TCP handshake.
         transport = httpx.AsyncHTTPTransport(
@@ -112,8 +117,8 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
         try:
             urls = list(config.engines) if procs is None else await procs.start()
             hf = await asyncio.to_thread(load_hf_tokenizer, config.tokenizer, config.cache_dir)
-            tokenizer = Tokenizer(hf)
-            pool = EnginePool(urls, transport, metrics)
+            tokenizer = Tokenizer(hf, config.tokenizer_cache_mb << 20)
+            pool = EnginePool(urls, transport, metrics, engine_token=engine_token)
             model = await pool.wait_ready(config.engine_startup_timeout, require_all=procs is not None,
                                           check_alive=procs.check_alive if procs is not None else lambda: None)
             if tokenizer.vocab_size > model.limits.vocab_size:
@@ -122,7 +127,8 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             await router.start(model.name, model.block_size)
             router_started = True
             name = model.name  # the engines own the served name (spawned ones were given --served-model-name)
-            serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics)
+            serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics, workers,
+                              SaltKey(engine_token))
             health = asyncio.create_task(pool.run_health_checks(config.health_interval))
             log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
                      routing=config.routing, auth=bool(config.api_keys),
@@ -132,6 +138,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(),
                    "started": int(time.time())}
         finally:
+            workers.close()
             if health is not None:
                 health.cancel()
             if router_started:

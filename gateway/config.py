@@ -21,7 +21,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from engine.logs import LOG_LEVELS
-from engine.protocol import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path
+from engine.protocol import (
+    DEFAULT_MODEL_NAME,
+    ENGINE_TOKEN_ENV,
+    LOAD_FORMATS,
+    MAX_N,
+    default_model_path,
+    read_engine_token,
+)
+from gateway.http_limits import HttpLimits, default_max_connections
 from gateway.reasoning import REASONING_PARSERS
 from gateway.router import ROUTERS
 from gateway.settings import (
@@ -100,9 +108,6 @@ _SETTINGS: tuple[Setting, ...] = (
             "(e.g. /llm)", _root_path, ""),
     Setting("trusted_proxies", "IPs or CIDR networks (or *) whose X-Forwarded-For/-Proto headers are "
             "honoured; none by default", _proxy, (), repeatable=True, metavar="ADDR"),
-    Setting("max_in_flight", "requests this gateway runs at once; beyond it answers 429 with "
-            "Retry-After", integer(1), 512),
-    Setting("max_body_bytes", "largest request body; larger ones get 413", integer(1024), 8 * 1024 * 1024),
     Setting("log_level", "JSON log level on stderr", choice(LOG_LEVELS, upper=True), "INFO"),
     Setting("api_key", "accepted Bearer key (repeatable); without any key the API is open",
             _api_key, (), env="API_KEYS", repeatable=True, metavar="KEY", group="auth", secret=True),
@@ -112,6 +117,9 @@ _SETTINGS: tuple[Setting, ...] = (
             "salt, so tenants never reuse each other's cache)", boolean, False, switch=True, group="auth"),
     Setting("engine", "engine sidecar URL (repeatable)", _engine_url, (), env="KVGATE_ENGINES",
             repeatable=True, metavar="URL", group="engines"),
+    Setting("engine_token_file", f"file holding the engines' shared secret, sent to every engine and used to "
+            f"derive the tenants' cache salts (or the secret itself in {ENGINE_TOKEN_ENV}; the flag wins); "
+            "spawned engines get a random one", existing_path, None, metavar="FILE", group="engines"),
     Setting("spawn_engines", "start N local engine subprocesses on free ports (default: 1 when no "
             "--engine is given); they are stopped with the gateway", integer(1, 64), None, metavar="N",
             group="engines"),
@@ -148,6 +156,40 @@ _SETTINGS: tuple[Setting, ...] = (
             nonempty, None, metavar="NAME", group="spawn"),
     Setting("engine_args", "more `python -m engine serve` flags, one shell-quoted string", shlex.split, None,
             metavar="ARGS", group="spawn"),
+    # --- limits ---
+    Setting("max_in_flight", "requests this gateway runs at once; beyond it answers 503 with Retry-After",
+            integer(1), 512, group="limits"),
+    Setting("max_sequences_in_flight", "sequences (prompts × n) this gateway runs at once; a request that "
+            "does not fit now gets 503 with Retry-After, one larger than this a 400", integer(1), 1024,
+            metavar="N", group="limits"),
+    Setting("max_prompt_tokens_in_flight", "prompt tokens of the requests this gateway runs at once (as "
+            "--max-sequences-in-flight)", integer(1), 4 << 20, metavar="TOKENS", group="limits"),
+    Setting("max_prompts_per_request", "prompts in one /v1/completions request", integer(1), 128, metavar="N",
+            group="limits"),
+    Setting("max_n", "n (choices per prompt) of one request", integer(1, MAX_N), MAX_N, metavar="N",
+            group="limits"),
+    Setting("max_messages", "messages in one chat request", integer(1), 2048, metavar="N", group="limits"),
+    Setting("max_body_bytes", "largest request body; larger ones get 413", integer(1024), 8 * 1024 * 1024,
+            group="limits"),
+    Setting("render_threads", "worker threads that parse, render and tokenize requests off the event loop",
+            integer(1, 64), 2, metavar="N", group="limits"),
+    Setting("render_queue", "requests that may wait for a render thread; past it 503", integer(0), 64,
+            metavar="N", group="limits"),
+    Setting("render_timeout", "seconds a request may take to be parsed, rendered and tokenized (waiting "
+            "included); past it 503", positive_float, 10.0, metavar="SECONDS", group="limits"),
+    Setting("tokenizer_cache_mb", "MiB of tokenized conversations and system prompts kept, per tenant "
+            "keys", integer(0), 64, metavar="MIB", group="limits"),
+    Setting("max_header_bytes", "largest request head (request line and headers); larger ones get 431 "
+            "and the connection is closed", integer(1024), 32 * 1024, metavar="BYTES", group="limits"),
+    Setting("header_timeout", "seconds a connection may take to send a request's head; then 408 and "
+            "close", positive_float, 10.0, metavar="SECONDS", group="limits"),
+    Setting("body_timeout", "seconds a request may take to send its body after its head; then 408 and "
+            "close", positive_float, 60.0, metavar="SECONDS", group="limits"),
+    Setting("keep_alive_timeout", "seconds an idle keep-alive connection stays open", positive_float, 5.0,
+            metavar="SECONDS", group="limits"),
+    Setting("max_connections", "open client connections; a new one past it closes the oldest that has not "
+            "sent a whole request head, or gets 503 (default: half the file-descriptor limit left after 64)",
+            integer(1), None, metavar="N", group="limits"),
     Setting("tokenizer", "GGUF file or HF directory with the tokenizer and chat template (default: --model "
             "when it has one, else the SmolLM2 GGUF)", existing_path, None, metavar="PATH", group="tokenizer"),
     Setting("cache_dir", "where converted tokenizers are cached", str, "~/.cache/kvgate",
@@ -166,6 +208,7 @@ _GROUPS = {
     "server": "server",
     "auth": "authentication (open paths: /health, /ready, /metrics and OPTIONS)",
     "engines": "engines and routing",
+    "limits": "limits: admission, request size and HTTP",
     "spawn": "spawned engines (with --spawn-engines: `python -m engine serve` flags, unset ones keep the "
              "engine's defaults; see its --help)",
     "tokenizer": "tokenizer and the model's text formats",
@@ -193,7 +236,18 @@ class GatewayConfig:
     trusted_proxies: tuple[str, ...] = _DEFAULTS["trusted_proxies"]
     shared_prefix_cache: bool = _DEFAULTS["shared_prefix_cache"]
     max_in_flight: int = _DEFAULTS["max_in_flight"]
+    max_sequences_in_flight: int = _DEFAULTS["max_sequences_in_flight"]
+    max_prompt_tokens_in_flight: int = _DEFAULTS["max_prompt_tokens_in_flight"]
+    max_prompts_per_request: int = _DEFAULTS["max_prompts_per_request"]
+    max_n: int = _DEFAULTS["max_n"]
+    max_messages: int = _DEFAULTS["max_messages"]
     max_body_bytes: int = _DEFAULTS["max_body_bytes"]
+    render_threads: int = _DEFAULTS["render_threads"]
+    render_queue: int = _DEFAULTS["render_queue"]
+    render_timeout: float = _DEFAULTS["render_timeout"]
+    tokenizer_cache_mb: int = _DEFAULTS["tokenizer_cache_mb"]
+    http: HttpLimits = field(default_factory=lambda: _http_limits(_DEFAULTS))
+    engine_token: str | None = field(default=None, repr=False)  # secret: never in logs
     log_level: str = _DEFAULTS["log_level"]
     cache_dir: Path = Path(_DEFAULTS["cache_dir"])
     tool_call_parser: str = _DEFAULTS["tool_call_parser"]
@@ -212,7 +266,13 @@ class GatewayConfig:
             "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
             "root_path": self.root_path,
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
-            "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
+            "max_in_flight": self.max_in_flight, "max_sequences_in_flight": self.max_sequences_in_flight,
+            "max_prompt_tokens_in_flight": self.max_prompt_tokens_in_flight,
+            "max_prompts_per_request": self.max_prompts_per_request, "max_n": self.max_n,
+            "max_messages": self.max_messages, "max_body_bytes": self.max_body_bytes,
+            "render_threads": self.render_threads, "render_timeout": self.render_timeout,
+            "tokenizer_cache_mb": self.tokenizer_cache_mb, "http": self.http._asdict(),
+            "engine_token": self.engine_token is not None,
             "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
         }
 
@@ -241,14 +301,25 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    v = {s.dest: read(s, args, os.environ if environ is None else environ) for s in _SETTINGS}
+    environ = os.environ if environ is None else environ
+    v = {s.dest: read(s, args, environ) for s in _SETTINGS}
     spawn = _spawn_config(v)
     keys = v["api_key"] + (_read_key_file(v["api_key_file"]) if v["api_key_file"] else ())
+    try:
+        token = read_engine_token(v["engine_token_file"], environ)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     named_alike = {f.name: v[f.name] for f in dataclasses.fields(GatewayConfig) if f.name in v}
     return GatewayConfig(**{
         **named_alike, "engines": v["engine"], "spawn": spawn, "api_keys": keys,
         "tokenizer": _tokenizer_path(v["tokenizer"], spawn), "cache_dir": Path(v["cache_dir"]).expanduser(),
+        "http": _http_limits(v), "engine_token": token,
     })
+
+
+def _http_limits(v: Mapping[str, Any]) -> HttpLimits:
+    return HttpLimits(v["max_header_bytes"], v["header_timeout"], v["body_timeout"], v["keep_alive_timeout"],
+                      v["max_connections"] or default_max_connections())
 
 
 def _spawn_config(v: Mapping[str, Any]) -> SpawnConfig | None:

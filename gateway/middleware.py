@@ -115,6 +115,20 @@ def tenant_id(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class SaltKey:
+    """A tenant's cache salt: HMAC(the engines' secret, tenant id). The tenant id is in every log line;
+    without the secret it gives no salt, so reading logs does not let anyone address a tenant's cache."""
+
+    def __init__(self, secret: str | None):
+        # without a secret the engines listen on loopback only (they refuse otherwise)
+        self._key = (secret or "").encode()
+
+    def salt(self, tenant: str | None) -> str | None:
+        if tenant is None:
+            return None
+        return hmac.new(self._key, b"kvgate-salt:" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
 class AuthMiddleware:
     """Bearer-key check in constant time over all keys; the key's id becomes the request's tenant.
 

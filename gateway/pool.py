@@ -33,8 +33,9 @@ class EnginePool:
 
     def __init__(self, urls: Sequence[str], transport: httpx.AsyncBaseTransport,
                  metrics: GatewayMetrics | None = None, stats_timeout: float = 2.0,
-                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
-        self.replicas = [Replica(url, EngineClient(url, transport), breaker=breaker()) for url in urls]
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker, engine_token: str | None = None):
+        self.replicas = [Replica(url, EngineClient(url, transport, engine_token), breaker=breaker())
+                         for url in urls]
         self.metrics = metrics or GatewayMetrics()
         self.model: ModelInfo | None = None
         self._stats_timeout = stats_timeout
