@@ -50,6 +50,9 @@ def test_open_api_serves_the_spawned_model(spawning_gateway):
     assert {x["replica"] for x in lines} == {e["url"] for e in engines_of(spawning_gateway)}
     assert {x["route"] for x in lines} == {"round_robin"}
     assert all("tenant" not in x for x in lines)  # no keys: no tenant, no salt
+    for engine in engines_of(spawning_gateway):  # a random token of the gateway's guards each engine
+        assert httpx.get(engine["url"] + "/stats").status_code == 401
+        assert httpx.get(engine["url"] + "/health").status_code == 200
 
 
 def test_root_path_shows_in_urls(spawning_gateway):
