@@ -47,6 +47,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "logprobs": (0, MAX_LOGPROBS),
     "n": (1, MAX_N),
 }
+EXCLUSIVE_MINIMUM = ("top_p", "repetition_penalty")  # the lower bound itself is refused
 LOGIT_BIAS_BOUNDS = (-100.0, 100.0)
 
 # Engine authentication: every endpoint but /health wants "Authorization: Bearer <token>".
@@ -329,10 +330,9 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
             setattr(p, name, _check_float(wire[name], name, lo, hi))
     if 0.0 < p.temperature < MIN_TEMPERATURE:  # as vLLM: smaller values overflow fp32 softmax
         p.temperature = MIN_TEMPERATURE
-    if p.top_p == 0.0:
-        raise ProtocolError("top_p must be > 0", "top_p")
-    if p.repetition_penalty == 0.0:
-        raise ProtocolError("repetition_penalty must be > 0", "repetition_penalty")
+    for name in EXCLUSIVE_MINIMUM:
+        if getattr(p, name) == FLOAT_BOUNDS[name][0]:
+            raise ProtocolError(f"{name} must be > {FLOAT_BOUNDS[name][0]:g}", name)
     if "top_k" in wire:
         p.top_k = _check_int(wire["top_k"], "top_k", *INT_BOUNDS["top_k"])
     if wire.get("seed") is not None:

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from engine.protocol import EXCLUSIVE_MINIMUM, FLOAT_BOUNDS, INT_BOUNDS
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
@@ -42,12 +43,38 @@ from gateway.workers import WorkerPool
 log = structlog.get_logger("gateway")
 
 
-def openapi_schema() -> dict[str, Any]:
-    """OpenAPI 3.1 document generated from the request models."""
+# The value bounds the document states (the engine's, from engine.protocol; the context bounds max_tokens).
+VALUE_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    **FLOAT_BOUNDS, **INT_BOUNDS, "top_logprobs": INT_BOUNDS["logprobs"], "best_of": INT_BOUNDS["n"],
+    "max_tokens": (1, None), "max_completion_tokens": (1, None), "min_tokens": (0, None),
+}
+
+
+def _state_bounds(properties: dict[str, Any]) -> None:
+    """Write VALUE_BOUNDS into the numeric schema (or union member) of each bounded property."""
+    for name, (lo, hi) in VALUE_BOUNDS.items():
+        prop = properties.get(name)
+        if prop is None:
+            continue
+        for schema in prop.get("anyOf", [prop]):
+            if schema.get("type") in ("integer", "number"):
+                if lo is not None:
+                    schema["exclusiveMinimum" if name in EXCLUSIVE_MINIMUM else "minimum"] = lo
+                if hi is not None:
+                    schema["maximum"] = hi
+
+
+def openapi_schema(model_name: str) -> dict[str, Any]:
+    """OpenAPI 3.1 document generated from the request models, with the value bounds the server enforces
+    and the one model it serves."""
     _, defs = models_json_schema(
         [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
         ref_template="#/components/schemas/{model}",
     )
+    for model in ("ChatCompletionRequest", "CompletionRequest"):
+        properties = defs["$defs"][model]["properties"]
+        _state_bounds(properties)
+        properties["model"]["anyOf"][0]["enum"] = [model_name]
     error = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"type": "object", "properties": {
             "message": {"type": "string"}, "type": {"type": "string"},
@@ -60,7 +87,7 @@ def openapi_schema() -> dict[str, Any]:
                 "schema": {"$ref": f"#/components/schemas/{model}"}}}},
             "responses": {
                 "200": {"description": "JSON, or text/event-stream chunks when stream is true"},
-                **{str(s): error for s in (400, 401, 404, 413, 415, 429, 502, 503)},
+                **{str(s): error for s in (400, 401, 404, 408, 413, 415, 431, 502, 503)},
             },
         }}
 
@@ -73,11 +100,14 @@ def openapi_schema() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": generation("ChatCompletionRequest", "Chat completion"),
             "/v1/completions": generation("CompletionRequest", "Text completion"),
-            "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "model list"}}}},
+            "/v1/models": {"get": {"summary": "Served models", "responses": {
+                "200": {"description": "model list"}, "401": error}}},
             "/v1/models/{model_id}": {"get": {
                 "summary": "One served model", "parameters": [{"name": "model_id", "in": "path", "required": True,
                                                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the model"}, "404": {"description": "no such model"}}}},
+                "responses": {"200": {"description": "the model"}, "401": error, "404": error}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {
+                "200": {"description": "OpenAPI 3.1"}, "401": error}}},
             "/health": {"get": {"summary": "Liveness (open)", "security": [],
                                 "responses": {"200": {"description": "alive"}}}},
             "/ready": {"get": {"summary": "Readiness: some engine replica is ready (open)", "security": [],
@@ -135,7 +165,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
                      tenant_isolation=not config.shared_prefix_cache)
             if not config.api_keys:
                 log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")
-            yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(),
+            yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(name),
                    "started": int(time.time())}
         finally:
             workers.close()

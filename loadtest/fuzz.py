@@ -1,0 +1,162 @@
+"""Fuzz a running gateway from its own OpenAPI document (schemathesis, fetched with a key): valid and
+invalid requests for every operation, each sent for real. Counts the answers by status; any answer of 500
+or more, and any traceback in the given log files, is a defect.
+
+    python -m loadtest.fuzz --url http://127.0.0.1:8000 --key sk-... --cases 5000 --log gateway.log
+    python -m loadtest.fuzz --spawn --cases 5000   # starts a tiny dummy engine and a gateway itself
+
+Prints one JSON line (stamped with the commit); exits 1 on a defect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import hypothesis
+import schemathesis
+from schemathesis import GenerationMode
+
+from gateway.spawn import free_port
+from loadtest import stamp
+
+ROOT = Path(__file__).resolve().parents[1]
+# Most cases go to the generation endpoints, whose bodies have the room for them; the rest are small.
+GENERATION_SHARE = 0.9
+
+
+@dataclass
+class FuzzResult:
+    cases: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    server_errors: list[str] = field(default_factory=list)  # "METHOD path status body" of each answer >= 500
+    tracebacks: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.server_errors and not self.tracebacks
+
+    def record(self) -> dict:
+        return {"cases": self.cases, "statuses": dict(sorted((str(k), v) for k, v in self.statuses.items())),
+                "server_errors": len(self.server_errors), "tracebacks": self.tracebacks,
+                "examples": self.server_errors[:5]}
+
+
+def fuzz(url: str, key: str, cases: int, seed: int = 0, logs: Sequence[Path] = ()) -> FuzzResult:
+    """About ``cases`` generated requests against the gateway at ``url``, half valid and half invalid per
+    operation (an operation with few possible requests gets fewer)."""
+    auth = {"Authorization": f"Bearer {key}"}
+    document = httpx.get(url + "/openapi.json", headers=auth, timeout=30).raise_for_status().json()
+    operations = [result.ok() for result in schemathesis.openapi.from_dict(document).get_all_operations()]
+    generation = [op for op in operations if op.method.upper() == "POST"]
+    result = FuzzResult()
+    with httpx.Client(base_url=url, headers=auth, timeout=120) as client:
+        for op in operations:
+            share = GENERATION_SHARE / len(generation) if op in generation else (
+                (1 - GENERATION_SHARE) / (len(operations) - len(generation)))
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                _run_operation(client, op, mode, max(1, round(cases * share / 2)), seed, result)
+    result.tracebacks = sum(path.read_text(errors="replace").count("Traceback") for path in logs)
+    return result
+
+
+def _run_operation(client: httpx.Client, op, mode: GenerationMode, examples: int, seed: int,
+                   result: FuzzResult) -> None:
+    @hypothesis.settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+                         suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate],
+                         print_blob=False)
+    @hypothesis.seed(seed)
+    @hypothesis.given(op.as_strategy(generation_mode=mode))
+    def send(case) -> None:
+        kwargs = case.as_transport_kwargs()
+        headers = {k: v for k, v in (kwargs.get("headers") or {}).items() if k.lower() != "authorization"}
+        body = kwargs.get("json")
+        content = kwargs.get("data") if body is None else None
+        resp = client.request(case.method, case.formatted_path, params=kwargs.get("params"), headers=headers,
+                              json=body, content=content)
+        result.cases += 1
+        result.statuses[resp.status_code] += 1
+        if resp.status_code >= 500:
+            result.server_errors.append(f"{case.method} {case.formatted_path} {resp.status_code} {resp.text[:300]}")
+
+    try:
+        send()
+    except hypothesis.errors.Unsatisfiable:
+        pass  # no invalid request exists for an operation without parameters or body
+
+
+@contextmanager
+def spawned_stack(workdir: Path) -> Iterator[tuple[str, str, list[Path]]]:
+    """A tiny dummy engine and a gateway in front of it: (gateway URL, API key, their log files)."""
+    key = "sk-fuzz-" + secrets.token_hex(8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVGATE_ENGINE_TOKEN": secrets.token_hex(32)}
+    engine_port, gateway_port = free_port(), free_port()
+    logs = [workdir / "engine.log", workdir / "gateway.log"]
+    argvs = [
+        [sys.executable, "-m", "engine", "serve", "--port", str(engine_port), "--load-format", "dummy",
+         "--model", "tiny", "--num-kv-blocks", "2048"],
+        [sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port), "--engine",
+         f"http://127.0.0.1:{engine_port}", "--api-key", key],
+    ]
+    procs = []
+    try:
+        for argv, log, ready in zip(argvs, logs, (f"http://127.0.0.1:{engine_port}/health",
+                                                  f"http://127.0.0.1:{gateway_port}/ready")):
+            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT))
+            _wait_ready(ready, procs[-1], log)
+        yield f"http://127.0.0.1:{gateway_port}", key, logs
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(30)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: the process exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} not ready after 300 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="the gateway (with --key); without it, --spawn")
+    parser.add_argument("--key", help="an API key the gateway accepts")
+    parser.add_argument("--spawn", action="store_true", help="start a tiny dummy engine and a gateway")
+    parser.add_argument("--cases", type=int, default=5000, help="requests to generate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="generation seed (default: %(default)s)")
+    parser.add_argument("--log", type=Path, action="append", default=[],
+                        help="a log file of the server to search for tracebacks (repeatable)")
+    args = parser.parse_args(argv)
+    if args.spawn == bool(args.url):
+        parser.error("give --url and --key, or --spawn")
+    start = time.monotonic()
+    if args.spawn:
+        with tempfile.TemporaryDirectory() as tmp, spawned_stack(Path(tmp)) as (url, key, logs):
+            result = fuzz(url, key, args.cases, args.seed, logs)
+    else:
+        result = fuzz(args.url, args.key, args.cases, args.seed, args.log)
+    stamp.emit(benchmark="fuzz", seconds=round(time.monotonic() - start, 1), seed=args.seed, **result.record())
+    return 0 if result.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
