@@ -11,15 +11,11 @@ Prints one JSON line (stamped with the commit); exits 1 on a defect.
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +24,9 @@ import hypothesis
 import schemathesis
 from schemathesis import GenerationMode
 
-from gateway.spawn import free_port
 from loadtest import stamp
+from loadtest.stack import spawned_stack
 
-ROOT = Path(__file__).resolve().parents[1]
 # Most cases go to the generation endpoints, whose bodies have the room for them; the rest are small.
 GENERATION_SHARE = 0.9
 
@@ -94,46 +89,6 @@ def _run_operation(client: httpx.Client, op, mode: GenerationMode, examples: int
         send()
     except hypothesis.errors.Unsatisfiable:
         pass  # no invalid request exists for an operation without parameters or body
-
-
-@contextmanager
-def spawned_stack(workdir: Path) -> Iterator[tuple[str, str, list[Path]]]:
-    """A tiny dummy engine and a gateway in front of it: (gateway URL, API key, their log files)."""
-    key = "sk-fuzz-" + secrets.token_hex(8)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVGATE_ENGINE_TOKEN": secrets.token_hex(32)}
-    engine_port, gateway_port = free_port(), free_port()
-    logs = [workdir / "engine.log", workdir / "gateway.log"]
-    argvs = [
-        [sys.executable, "-m", "engine", "serve", "--port", str(engine_port), "--load-format", "dummy",
-         "--model", "tiny", "--num-kv-blocks", "2048"],
-        [sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port), "--engine",
-         f"http://127.0.0.1:{engine_port}", "--api-key", key],
-    ]
-    procs = []
-    try:
-        for argv, log, ready in zip(argvs, logs, (f"http://127.0.0.1:{engine_port}/health",
-                                                  f"http://127.0.0.1:{gateway_port}/ready")):
-            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT))
-            _wait_ready(ready, procs[-1], log)
-        yield f"http://127.0.0.1:{gateway_port}", key, logs
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            proc.wait(30)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the process exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} not ready after 300 s")
 
 
 def main(argv: list[str] | None = None) -> int:
