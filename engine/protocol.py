@@ -224,8 +224,9 @@ class ModelLimits:
 class EngineStats:
     """GET /stats: what the engine serves and how loaded it is (a snapshot, refreshed while it works).
 
-    The gateway reads the model shape and ``replica_id`` to admit a replica, and the queue lengths and
-    ``total_busy_seconds`` (a counter) to route; the rest is for operators."""
+    The gateway reads the model shape and ``replica_id`` to admit a replica, the queue lengths and
+    ``total_busy_seconds`` (a counter) to route, and the waiting tokens over the rate the counters give to
+    shed load; the rest is for operators."""
 
     model: str
     replica_id: str  # its id in the prefix index
@@ -244,6 +245,8 @@ class EngineStats:
     prefill_pack_tokens: int
     max_num_seqs: int
     total_busy_seconds: float  # time spent in engine steps since start
+    num_waiting_tokens: int  # prompt tokens not computed yet, of queued and of prefilling sequences
+    total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}

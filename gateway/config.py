@@ -164,6 +164,9 @@ _SETTINGS: tuple[Setting, ...] = (
             metavar="N", group="limits"),
     Setting("max_prompt_tokens_in_flight", "prompt tokens of the requests this gateway runs at once (as "
             "--max-sequences-in-flight)", integer(1), 4 << 20, metavar="TOKENS", group="limits"),
+    Setting("max_queue_seconds", "when every ready engine's queue predicts more than this many seconds before "
+            "a new request starts (its waiting prompt tokens at its measured rate), new requests get 503 with "
+            "Retry-After", positive_float, 20.0, metavar="SECONDS", group="limits"),
     Setting("max_prompts_per_request", "prompts in one /v1/completions request", integer(1), 128, metavar="N",
             group="limits"),
     Setting("max_n", "n (choices per prompt) of one request", integer(1, MAX_N), MAX_N, metavar="N",
@@ -238,6 +241,7 @@ class GatewayConfig:
     max_in_flight: int = _DEFAULTS["max_in_flight"]
     max_sequences_in_flight: int = _DEFAULTS["max_sequences_in_flight"]
     max_prompt_tokens_in_flight: int = _DEFAULTS["max_prompt_tokens_in_flight"]
+    max_queue_seconds: float = _DEFAULTS["max_queue_seconds"]
     max_prompts_per_request: int = _DEFAULTS["max_prompts_per_request"]
     max_n: int = _DEFAULTS["max_n"]
     max_messages: int = _DEFAULTS["max_messages"]
@@ -268,6 +272,7 @@ class GatewayConfig:
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
             "max_in_flight": self.max_in_flight, "max_sequences_in_flight": self.max_sequences_in_flight,
             "max_prompt_tokens_in_flight": self.max_prompt_tokens_in_flight,
+            "max_queue_seconds": self.max_queue_seconds,
             "max_prompts_per_request": self.max_prompts_per_request, "max_n": self.max_n,
             "max_messages": self.max_messages, "max_body_bytes": self.max_body_bytes,
             "render_threads": self.render_threads, "render_timeout": self.render_timeout,

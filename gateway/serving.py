@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord, SaltKey
 from gateway.reasoning import REASONING_PARSERS
-from gateway.replica import ModelInfo
+from gateway.replica import ModelInfo, Replica
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
 from gateway.run import CallParser, Choice, ChoiceOutput, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
@@ -150,11 +151,25 @@ class Serving:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
-        if not self.dispatcher.pool.ready_replicas():
+        replicas = self.dispatcher.pool.ready_replicas()
+        if not replicas:
             raise overloaded(503, "no engine replica is ready; retry later", RETRY_AFTER_NO_ENGINE)
+        self._shed(replicas)
         ticket = self.admission.enter()
         self.metrics.in_flight.set(self.admission.requests)
         return ticket
+
+    def _shed(self, replicas: list[Replica]) -> None:
+        """503 when every ready replica's queue predicts more than --max-queue-seconds before a new request
+        would start: a request refused now keeps the admitted ones' latency, one queued would not. Retry-After:
+        until the shortest queue is back under the bound."""
+        queues = [r.queue_seconds for r in replicas]
+        limit = self.config.max_queue_seconds
+        if all(q is not None and q > limit for q in queues):
+            shortest = min(q for q in queues if q is not None)
+            raise overloaded(503, f"every engine replica has more than {limit:g} s of queued work "
+                                  f"({shortest:.0f} s at the shortest); retry later",
+                             max(1, math.ceil(shortest - limit)))
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes

@@ -19,16 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
-def spawned_stack(workdir: Path, gateway_args: Sequence[str] = ()) -> Iterator[tuple[str, str, list[Path]]]:
-    """A tiny dummy engine (with a token) and a gateway in front of it, logging into ``workdir``:
-    (gateway URL, API key, their log files)."""
+def spawned_stack(workdir: Path, gateway_args: Sequence[str] = (), model: str = "tiny",
+                  engine_args: Sequence[str] = ()) -> Iterator[tuple[str, str, list[Path]]]:
+    """A dummy engine of shape ``model`` (with a token) and a gateway in front of it, logging into
+    ``workdir``: (gateway URL, API key, their log files)."""
     key = "sk-local-" + secrets.token_hex(8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVGATE_ENGINE_TOKEN": secrets.token_hex(32)}
     engine_port, gateway_port = free_port(), free_port()
     logs = [workdir / "engine.log", workdir / "gateway.log"]
     argvs = [
         [sys.executable, "-m", "engine", "serve", "--port", str(engine_port), "--load-format", "dummy",
-         "--model", "tiny", "--num-kv-blocks", "2048"],
+         "--model", model, "--num-kv-blocks", "2048", *engine_args],
         [sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port), "--engine",
          f"http://127.0.0.1:{engine_port}", "--api-key", key, *gateway_args],
     ]

@@ -1,5 +1,6 @@
-"""Admission by work: the Admission object's arithmetic, then the race against a real gateway (48
-simultaneous requests against a limit of 4) and a request of 100 prompts × n=16."""
+"""Admission by work: the Admission object's arithmetic, the race against a real gateway (48
+simultaneous requests against a limit of 4), a request of 100 prompts × n=16, and load shedding from
+the engines' queues."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from gw_harness import API_KEYS, Proc, start_gateway
+from stats_testing import engine_stats
 
 from gateway.admission import Admission, AdmissionLimits
+from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.replica import Replica
+from gateway.serving import Serving
 
 AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
 
@@ -90,3 +95,37 @@ def test_a_request_beyond_the_sequence_budget_is_refused_before_the_engine(gatew
     too_many = httpx.post(gateway_of_4.url + "/v1/completions", json={"prompt": ["x"] * 129, "max_tokens": 1},
                           headers=AUTH, timeout=30)
     assert too_many.status_code == 400 and "at most 128" in too_many.json()["error"]["message"]
+
+
+def test_a_replica_predicts_its_queue_from_its_waiting_tokens_and_measured_rate():
+    replica = Replica("http://e:1", client=None)
+    replica.observe(engine_stats(num_waiting_tokens=8000, total_computed_tokens=0, total_busy_seconds=0.0), 0.0)
+    assert replica.queue_seconds is None  # no rate yet
+    replica.observe(engine_stats(num_waiting_tokens=8000, total_computed_tokens=4000, total_busy_seconds=1.0), 1.0)
+    assert replica.token_rate == 4000 and replica.queue_seconds == 2.0
+    replica.observe(engine_stats(num_waiting_tokens=0, total_computed_tokens=4000, total_busy_seconds=1.0), 2.0)
+    assert replica.token_rate == 4000 and replica.queue_seconds == 0.0  # idle: the rate stays
+
+
+def shedding(queues: list[float | None]) -> APIError | None:
+    replicas = []
+    for q in queues:
+        replica = Replica("http://e:1", client=None)
+        replica.stats = engine_stats(num_waiting_tokens=0 if q is None else int(q * 1000))
+        replica.token_rate = None if q is None else 1000.0
+        replicas.append(replica)
+    serving = Serving.__new__(Serving)
+    serving.config = GatewayConfig(max_queue_seconds=5.0)
+    try:
+        serving._shed(replicas)
+    except APIError as exc:
+        return exc
+    return None
+
+
+def test_load_is_shed_only_when_every_replica_is_past_the_bound():
+    assert shedding([6.0, 4.0]) is None  # one replica can still take it in time
+    assert shedding([6.0, None]) is None  # a replica without a measured rate: no prediction, no refusal
+    refused = shedding([9.5, 7.2])
+    assert refused.status == 503 and refused.headers["Retry-After"] == "3"  # until 7.2 s is under 5 s
+    assert "more than 5 s of queued work" in refused.message
