@@ -33,6 +33,7 @@ from gateway.errors import APIError, handle_api_error, handle_http_exception, ha
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AuthMiddleware, RequestContextMiddleware, SaltKey
 from gateway.pool import EnginePool
+from gateway.ratelimit import KeyRing, RateLimiter, open_buckets
 from gateway.router import make_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving
@@ -87,7 +88,7 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
                 "schema": {"$ref": f"#/components/schemas/{model}"}}}},
             "responses": {
                 "200": {"description": "JSON, or text/event-stream chunks when stream is true"},
-                **{str(s): error for s in (400, 401, 404, 408, 413, 415, 431, 502, 503)},
+                **{str(s): error for s in (400, 401, 404, 408, 413, 415, 429, 431, 502, 503)},
             },
         }}
 
@@ -122,7 +123,8 @@ EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exc
 
 
 def middleware_stack(app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics) -> ASGIApp:
-    stack: ASGIApp = RequestContextMiddleware(AuthMiddleware(app, config.api_keys), metrics)
+    keys = KeyRing(config.api_keys, config.api_key_file, config.key_limits)
+    stack: ASGIApp = RequestContextMiddleware(AuthMiddleware(app, keys), metrics)
     if config.trusted_proxies:
         stack = ProxyHeadersMiddleware(stack, trusted_hosts=list(config.trusted_proxies))
     return stack
@@ -137,6 +139,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
         engine_token = config.engine_token or (secrets.token_hex(32) if config.spawn is not None else None)
         procs = EngineProcesses(config.spawn, engine_token) if config.spawn is not None else None
         workers = WorkerPool(config.render_threads, config.render_queue, config.render_timeout)
+        buckets = open_buckets(config.rate_limit_url)
         # One connection pool for all engines; --max-in-flight bounds the connections, and kept-alive
         # ones spare the hot path a TCP handshake.
         transport = httpx.AsyncHTTPTransport(
@@ -158,17 +161,18 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             router_started = True
             name = model.name  # the engines own the served name (spawned ones were given --served-model-name)
             serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics, workers,
-                              SaltKey(engine_token))
+                              SaltKey(engine_token), RateLimiter(buckets))
             health = asyncio.create_task(pool.run_health_checks(config.health_interval))
             log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
-                     routing=config.routing, auth=bool(config.api_keys),
+                     routing=config.routing, auth=bool(config.api_keys or config.api_key_file),
                      tenant_isolation=not config.shared_prefix_cache)
-            if not config.api_keys:
+            if not (config.api_keys or config.api_key_file):
                 log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")
             yield {"serving": serving, "pool": pool, "metrics": metrics, "openapi": openapi_schema(name),
                    "started": int(time.time())}
         finally:
             workers.close()
+            await buckets.close()
             if health is not None:
                 health.cancel()
             if router_started:

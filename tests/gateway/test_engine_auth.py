@@ -15,7 +15,8 @@ from gw_harness import API_KEYS, ROOT, TINY_ENGINE_ARGS, Proc, start_engine, sta
 
 from engine.protocol import MSGPACK, GenerateRequest, SamplingParams
 from engine.server import Sidecar
-from gateway.middleware import SaltKey, tenant_id
+from gateway.middleware import SaltKey
+from gateway.ratelimit import tenant_id
 
 TOKEN = secrets.token_hex(32)
 
