@@ -3,7 +3,7 @@ invalid requests for every operation, each sent for real. Counts the answers by 
 or more, and any traceback in the given log files, is a defect.
 
     python -m loadtest.fuzz --url http://127.0.0.1:8000 --key sk-... --cases 5000 --log gateway.log
-    python -m loadtest.fuzz --spawn --cases 5000   # starts a tiny dummy engine and a gateway itself
+    python -m loadtest.fuzz --spawn --cases 5000   # starts a tiny dummy engine (64-token context) and a gateway
 
 Prints one JSON line (stamped with the commit); exits 1 on a defect.
 """
@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --url and --key, or --spawn")
     start = time.monotonic()
     if args.spawn:
-        with tempfile.TemporaryDirectory() as tmp, spawned_stack(Path(tmp)) as (url, key, logs):
+        # a short context: valid requests generate little, so the run goes to the cases
+        with tempfile.TemporaryDirectory() as tmp, spawned_stack(Path(tmp), engine_args=["--max-model-len", "64"]) as (
+                url, key, logs):
             result = fuzz(url, key, args.cases, args.seed, logs)
     else:
         result = fuzz(args.url, args.key, args.cases, args.seed, args.log)
