@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,7 +16,10 @@ from stats_testing import engine_stats
 from gateway.admission import Admission, AdmissionLimits
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestRecord
 from gateway.replica import Replica
+from gateway.run import Run
 from gateway.serving import Serving
 
 AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
@@ -129,3 +133,17 @@ def test_load_is_shed_only_when_every_replica_is_past_the_bound():
     refused = shedding([9.5, 7.2])
     assert refused.status == 503 and refused.headers["Retry-After"] == "3"  # until 7.2 s is under 5 s
     assert "more than 5 s of queued work" in refused.message
+
+
+@pytest.mark.parametrize("failed, blamed", [(False, True), (True, False)])
+async def test_an_unfinished_request_blames_the_client_only_when_no_exception_ended_it(failed, blamed):
+    """A request cut short by our own failure must not log that the client left (its handler says why)."""
+    serving = Serving.__new__(Serving)
+    serving.admission = Admission(AdmissionLimits(1, 1, 1))
+    serving.metrics = GatewayMetrics()
+    choice = SimpleNamespace(finish_reason=None, seq=SimpleNamespace(num_tokens=3))
+    run = Run(jobs=[], choices=[choice], logprobs=False)
+    record = RequestRecord("r", 0.0)
+    await serving._finish(run, record, serving.admission.enter(), None, failed)
+    assert (record.error is not None and "client left" in record.error) == blamed
+    assert serving.admission.requests == 0
