@@ -35,7 +35,7 @@ from gateway.middleware import AuthMiddleware, RequestContextMiddleware, SaltKey
 from gateway.pool import EnginePool
 from gateway.ratelimit import KeyRing, RateLimiter, open_buckets
 from gateway.router import make_router
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import UNSUPPORTED_NOTE, ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving
 from gateway.spawn import EngineProcesses
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
@@ -76,6 +76,9 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
         properties = defs["$defs"][model]["properties"]
         _state_bounds(properties)
         properties["model"]["anyOf"][0]["enum"] = [model_name]
+        for name, prop in properties.items():
+            if UNSUPPORTED_NOTE in prop.get("description", ""):  # accepted as null (or one value, described)
+                properties[name] = {"type": "null", "description": prop["description"]}
     error = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"type": "object", "properties": {
             "message": {"type": "string"}, "type": {"type": "string"},
