@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.prompt_logprobs import collect_prompt_logprobs
 from engine.protocol import SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
@@ -136,9 +137,12 @@ class ModelRunner:
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
-        """Run one step; sample for every sequence whose known tokens are now all computed."""
+        """Run one step; sample for every sequence whose known tokens are now all computed. The
+        prefill chunks of sequences that need prompt logprobs get them here (eagerly, never in a graph)."""
         graphs = self.decode_graphs
-        if graphs is not None and len(scheduled) <= graphs.max_batch_size and all(n == 1 for _, n in scheduled):
+        prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
+        if (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
+                and all(n == 1 for _, n in scheduled)):
             logits, greedy = graphs.run([seq for seq, _ in scheduled])
             sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
             if not sample_rows:
@@ -151,6 +155,8 @@ class ModelRunner:
                 return [SampledToken(seq, tok, None) for seq, tok in zip(sampling_seqs, greedy.tolist())]
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)
+            if prompt_logprobs:
+                collect_prompt_logprobs(self.model.compute_logits, hidden, scheduled)
             if not sample_rows:
                 return []
             if len(sample_rows) < hidden.shape[0]:

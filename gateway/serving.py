@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 import time
 import uuid
@@ -33,9 +34,11 @@ from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord, SaltKey
+from gateway.openai_responses import ResponsesRequest, ResponsesShape
 from gateway.ratelimit import Key, RateLimiter
 from gateway.reasoning import REASONING_PARSERS
 from gateway.replica import ModelInfo, Replica
+from gateway.response_store import ResponseStore
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
 from gateway.run import CallParser, Choice, ChoiceOutput, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
@@ -72,7 +75,7 @@ class Endpoint(Generic[_Req]):
     request_model: type[_Req]
     num_prompts: Callable[[_Req], int]  # what its sequences are counted by (× n), before planning
     plan: Callable[[_Req, str | None], Awaitable[Plan]]  # (request, tenant)
-    shape: ResponseShape[_Req]
+    shape: ResponseShape[_Req] | ResponsesShape
 
 
 def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
@@ -84,11 +87,12 @@ def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
 
 
 class Serving:
-    """Handlers for /v1/chat/completions and /v1/completions. Owns no clients: the app's lifespan does."""
+    """Handlers for /v1/chat/completions, /v1/completions and /v1/responses. Owns no clients: the app's
+    lifespan does."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher, model: ModelInfo,
-                 model_name: str, metrics: GatewayMetrics, workers: WorkerPool, salt_key: SaltKey,
-                 limiter: RateLimiter):
+                 model_name: str, metrics: GatewayMetrics, response_store: ResponseStore, workers: WorkerPool,
+                 salt_key: SaltKey, limiter: RateLimiter):
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
@@ -105,6 +109,9 @@ class Serving:
         self._chat = Endpoint(ChatCompletionRequest, lambda req: 1, self._chat_plan, ChatShape(tokenizer, model_name))
         self._completions = Endpoint(CompletionRequest, lambda req: len(req.prompts()), self._completion_plan,
                                      CompletionShape(tokenizer, model_name))
+        self.response_store = response_store
+        self._responses = Endpoint(ResponsesRequest, lambda req: 1, self._responses_plan,
+                                   ResponsesShape(model_name, response_store))
 
     # --- endpoints ---
 
@@ -113,6 +120,9 @@ class Serving:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, self._completions)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, self._responses)
 
     async def _serve(self, request: Request, endpoint: Endpoint[_Req]) -> Response:
         record = record_of(request)
@@ -142,8 +152,9 @@ class Serving:
                 return EventStream(events, headers, lambda: self._finish(run, record, ticket, key))
             if not await self._collect(request, run):
                 return Response(status_code=499)  # nobody reads it; the log line says the client left
-            return Response(dumps(endpoint.shape.json(run, req, created)), headers=headers,
-                            media_type="application/json")
+            body = endpoint.shape.json(run, req, created)
+            await endpoint.shape.finish(body, req)
+            return Response(dumps(body), headers=headers, media_type="application/json")
         except Exception:
             failed = True  # its handler writes the log record's error: the client did not leave
             raise
@@ -203,6 +214,15 @@ class Serving:
             raise APIError(400, f"n must be <= {config.max_n} on this server, got {req.n}", param="n")
         return num_prompts * max(req.n, 1)
 
+    async def admit(self, request: Request) -> bytes:
+        """Admission and the body, for the routes that do not generate (/tokenize, /detokenize)."""
+        ticket = self._admit(request)
+        try:
+            return await self._read_body(request)
+        finally:
+            ticket.release()
+            self.metrics.in_flight.set(self.admission.requests)
+
     def _parse(self, model_cls: type[_Req], body: bytes) -> _Req:
         """The request body as its model (in a worker thread: a large body takes milliseconds)."""
         try:
@@ -210,10 +230,14 @@ class Serving:
         except ValidationError as exc:
             raise validation_error(exc) from None
         req.check_supported()
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self.check_model(req.model)
         return req
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served one (or not given)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     # --- request → engine requests ---
 
@@ -223,12 +247,17 @@ class Serving:
             raise APIError(400, f"{len(req.messages)} messages; this server takes at most "
                                 f"{self.config.max_messages}", param="messages")
         messages = req.template_messages()
-        self._check_fits(sum(len(m["content"]) for m in messages), "messages")
+        self._check_fits(req, sum(len(m["content"]) for m in messages), "messages")
         await self._check_grammars(req)
-        chat = await self.workers.run(self.tokenizer.chat_prompt, messages, tools.tools, req.template_kwargs(), tenant)
-        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(chat.token_ids), self.model.limits,
+        chat = await self.workers.run(functools.partial(
+            self.tokenizer.chat_prompt, messages, tools.tools, req.template_kwargs(), req.add_generation_prompt,
+            req.continue_final_message, tenant=tenant))
+        token_ids = req.truncated(chat.token_ids, self.model.limits)
+        dropped = len(chat.token_ids) - len(token_ids)
+        boundaries = [b - dropped for b in chat.cache_boundaries if b > dropped]
+        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(token_ids), self.model.limits,
                                 "top_logprobs")
-        return Plan([Prompt(chat.token_ids, chat.cache_boundaries, sampling)], self._chat_output(req))
+        return Plan([Prompt(token_ids, boundaries, sampling)], self._chat_output(req))
 
     def _chat_output(self, req: ChatCompletionRequest) -> Callable[[], ChoiceOutput] | None:
         """How each choice's text is parsed. A constrained output is what its grammar allows from the
@@ -250,12 +279,21 @@ class Serving:
             return functools.partial(NamedCall, tools.name)
         return None
 
+    async def _responses_plan(self, req: ResponsesRequest, tenant: str | None) -> Plan:
+        previous = None
+        if req.previous_response_id is not None:
+            previous = await self.response_store.get(req.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"no stored response {req.previous_response_id!r}: unknown, expired, or not "
+                                    "stored (store: true keeps one)", param="previous_response_id", code="not_found")
+        return await self._chat_plan(req.chat_request(previous), tenant)
+
     async def _completion_plan(self, req: CompletionRequest, tenant: str | None) -> Plan:
         prompts = req.prompts()
         for prompt in prompts:
-            self._check_fits(len(prompt) if isinstance(prompt, str) else 0, "prompt")
+            self._check_fits(req, len(prompt) if isinstance(prompt, str) else 0, "prompt")
         await self._check_grammars(req)
-        batch = await self.workers.run(self._prompt_ids, prompts)
+        batch = [req.truncated(ids, self.model.limits) for ids in await self.workers.run(self._prompt_ids, prompts)]
         return Plan([Prompt(ids, [], req.sampling(req.max_tokens, req.logprobs, len(ids), self.model.limits,
                                                   "logprobs")) for ids in batch])
 
@@ -273,9 +311,12 @@ class Serving:
             batch.append(prompt)
         return batch
 
-    def _check_fits(self, chars: int, param: str) -> None:
+    def _check_fits(self, req: SamplingFields, chars: int, param: str) -> None:
         """400 for a text that cannot fit the context, before rendering or tokenizing it: no token covers
-        more than ``max_token_chars`` characters, so the text has at least chars / that many tokens."""
+        more than ``max_token_chars`` characters, so the text has at least chars / that many tokens. (A
+        request that asks for its prompt to be truncated is tokenized whole, in a worker thread.)"""
+        if req.truncate_prompt_tokens is not None:
+            return
         min_tokens = -(-chars // self.tokenizer.max_token_chars)
         if min_tokens >= self.model.limits.max_model_len:
             raise APIError(400, f"the prompt's {chars} characters are at least {min_tokens} tokens, more than "
@@ -290,7 +331,8 @@ class Serving:
     def _build_run(self, req: SamplingFields, plan: Plan, id_prefix: str, record: RequestRecord) -> Run:
         stops = req.stop_strings()
         prompts = plan.prompts
-        salt = None if self.config.shared_prefix_cache else self.salt_key.salt(record.tenant)
+        tenant_salt = None if self.config.shared_prefix_cache else self.salt_key.salt(record.tenant)
+        salt = request_salt(tenant_salt, req.cache_salt)
         prefix = id_prefix + uuid.uuid4().hex
         jobs, choices = [], []
         for p, prompt in enumerate(prompts):
@@ -305,8 +347,10 @@ class Serving:
             request = GenerateRequest(request_id, prompt.token_ids, prompt.sampling, salt, prompt.cache_boundaries)
             jobs.append(Job(request, job_choices, open=n, running=n))
             choices += job_choices
-        # every prompt of a request asks for logprobs or none does
-        return Run(jobs, choices, logprobs=prompts[0].sampling.logprobs is not None)
+        # every prompt of a request asks for logprobs or none does, and so for prompt logprobs
+        sampling = prompts[0].sampling
+        return Run(jobs, choices, logprobs=sampling.logprobs is not None,
+                   prompt_logprobs=sampling.prompt_logprobs is not None)
 
     async def _route(self, run: Run, record: RequestRecord) -> None:
         """Open every job's engine stream (the pool fails over between replicas)."""
@@ -392,6 +436,14 @@ class Serving:
             error = APIError(500, "internal server error")
         yield f"data: {dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def request_salt(tenant_salt: str | None, cache_salt: str | None) -> str | None:
+    """The engine's salt: the tenant's (None when prefixes are shared), and a request's cache_salt
+    added to it, never replacing it: requests share KV only when both are equal."""
+    if cache_salt is None:
+        return tenant_salt
+    return json.dumps([tenant_salt, cache_salt], ensure_ascii=False)
 
 
 def _note_routing(run: Run, record: RequestRecord) -> None:
