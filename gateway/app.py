@@ -52,7 +52,8 @@ VERSION = importlib.metadata.version("kvgate")
 # The value bounds the document states (the engine's, from engine.protocol; the context bounds max_tokens).
 VALUE_BOUNDS: dict[str, tuple[float | None, float | None]] = {
     **FLOAT_BOUNDS, **INT_BOUNDS, "top_logprobs": INT_BOUNDS["logprobs"], "best_of": INT_BOUNDS["n"],
-    "max_tokens": (1, None), "max_completion_tokens": (1, None), "min_tokens": (0, None),
+    "prompt_logprobs": INT_BOUNDS["logprobs"], "max_tokens": (1, None), "max_completion_tokens": (1, None),
+    "min_tokens": (0, None),
 }
 
 
