@@ -49,8 +49,8 @@ class FuzzResult:
 
 
 def fuzz(url: str, key: str, cases: int, seed: int = 0, logs: Sequence[Path] = ()) -> FuzzResult:
-    """About ``cases`` generated requests against the gateway at ``url``, half valid and half invalid per
-    operation (an operation with few possible requests gets fewer)."""
+    """At least ``cases`` generated requests against the gateway at ``url``, half valid and half invalid per
+    operation; an operation with few possible requests gets fewer, and the POST ones make up the rest."""
     auth = {"Authorization": f"Bearer {key}"}
     document = httpx.get(url + "/openapi.json", headers=auth, timeout=30).raise_for_status().json()
     operations = [result.ok() for result in schemathesis.openapi.from_dict(document).get_all_operations()]
@@ -62,6 +62,13 @@ def fuzz(url: str, key: str, cases: int, seed: int = 0, logs: Sequence[Path] = (
                 (1 - GENERATION_SHARE) / (len(operations) - len(generation)))
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 _run_operation(client, op, mode, max(1, round(cases * share / 2)), seed, result)
+        rounds = 0
+        while result.cases < cases:
+            rounds += 1
+            each = -(-(cases - result.cases) // (2 * len(generation)))
+            for op in generation:
+                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                    _run_operation(client, op, mode, each, seed + rounds, result)
     result.tracebacks = sum(path.read_text(errors="replace").count("Traceback") for path in logs)
     return result
 

@@ -43,6 +43,6 @@ def test_openapi_states_the_401s_and_the_bounds(gateway):
 def test_500_generated_requests_answer_below_500_without_tracebacks(short_context):
     gateway, engine = short_context
     result = fuzz(gateway.url, API_KEYS[0], cases=500, seed=19, logs=[gateway.log_path, engine.log_path])
-    assert result.cases >= 500 * 0.9  # operations without parameters have fewer distinct requests
+    assert result.cases >= 500
     assert result.server_errors == [] and result.tracebacks == 0
     assert result.statuses[200] > 0 and result.statuses[400] > 0  # both valid and invalid ones went through
