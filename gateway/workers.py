@@ -9,6 +9,7 @@ its place in the pool until it ends, and the pool's bound stays true.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,9 @@ class WorkerPool:
         if self.pending >= self._capacity:
             raise overloaded(503, "this gateway's tokenizer workers are all busy; retry later", RETRY_AFTER_S)
         self.pending += 1
-        future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        # in the request's context, as asyncio.to_thread: its log lines keep the request id
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, call)
         future.add_done_callback(self._done)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)

@@ -35,7 +35,8 @@ def engine_paths() -> list[tuple[str, str]]:
     return [(sorted(r.methods - {"HEAD"})[0], r.path) for r in routes] + [("GET", "/no-such-path")]
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong-token", f"Basic {TOKEN}", TOKEN])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-token", f"Basic {TOKEN}", TOKEN],
+                         ids=["none", "wrong", "basic", "bare"])
 def test_no_endpoint_but_health_answers_without_the_token(token_engine, auth):
     headers = {"authorization": auth} if auth is not None else {}
     for method, path in engine_paths():
