@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("KVGATE_CACHE_DIR", "~/.cache/kvgate")).expanduser()
 API_KEYS = ("sk-test-alpha", "sk-test-beta")
 TINY_ENGINE_ARGS = ["--load-format", "dummy", "--model", "tiny", "--num-kv-blocks", "2048"]
+# The engines' token of the gateways that spawn theirs, where a test also talks to those engines.
+ENGINE_TOKEN = "test-engine-token-0123456789abcdef"
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
 
 
 @dataclass
