@@ -51,6 +51,7 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 class EngineCounters:
     steps: int = 0
     busy_seconds: float = 0.0
+    computed_tokens: int = 0
 
 
 class Runner(Protocol):
@@ -241,6 +242,7 @@ class EngineCore:
                 self._retire(seq.request_id)
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
+        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         return frames
 
     def take_queue_times(self) -> list[float]:
@@ -320,4 +322,7 @@ class EngineCore:
             prefill_pack_tokens=self.scheduler.prefill_pack_tokens,
             max_num_seqs=self.config.max_num_seqs,
             total_busy_seconds=self.counters.busy_seconds,
+            num_waiting_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                   for s in (*self.scheduler.waiting, *self.scheduler.running)),
+            total_computed_tokens=self.counters.computed_tokens,
         )
