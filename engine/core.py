@@ -17,6 +17,7 @@ import torch
 
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
+from engine.kv_groups import HybridKVCacheManager, kv_layout
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.protocol import (
     EngineStats,
@@ -75,9 +76,14 @@ class EngineCore:
         self.device, self.dtype, self.max_model_len = runner.device, runner.dtype, runner.max_model_len
         num_blocks = self._num_kv_blocks()
         runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
-            max_entries=int(num_blocks * config.max_entries_fraction),
+        layout = kv_layout(model_config)
+        record_events = config.index_url is not None
+        # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
+        self.kv: KVCacheManager | HybridKVCacheManager = (
+            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events)
+            if layout.hybrid else
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
+                           max_entries=int(num_blocks * config.max_entries_fraction))
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
@@ -95,6 +101,7 @@ class EngineCore:
             kv_tokens=num_blocks * config.block_size,
             kv_gib=round(num_blocks * kv_bytes_per_block(model_config, config.block_size, self.dtype) / 2**30, 3),
             max_model_len=self.max_model_len,
+            kv_group_windows=list(layout.group_windows),  # a page holds a block of one group's layers
         )
 
     @classmethod

@@ -125,7 +125,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
         try:
             urls = list(config.engines) if procs is None else await procs.start()
             hf = await asyncio.to_thread(load_hf_tokenizer, config.tokenizer, config.cache_dir)
-            tokenizer = Tokenizer(hf)
+            tokenizer = Tokenizer(hf, chat_template=config.chat_template)
             pool = EnginePool(urls, transport, metrics)
             model = await pool.wait_ready(config.engine_startup_timeout, require_all=procs is not None,
                                           check_alive=procs.check_alive if procs is not None else lambda: None)

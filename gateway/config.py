@@ -75,6 +75,17 @@ def _index_url(text: str) -> str:
     return text
 
 
+def _template_file(text: str) -> str:
+    """The text of a chat template file."""
+    try:
+        template = Path(text).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read it: {exc}") from None
+    if not template.strip():
+        raise ValueError("the file is empty")
+    return template
+
+
 def _root_path(text: str) -> str:
     if text and (not text.startswith("/") or text.endswith("/")):
         raise ValueError("must be empty or start with '/' and not end with '/' (e.g. /llm)")
@@ -155,6 +166,9 @@ _SETTINGS: tuple[Setting, ...] = (
             "when it has one, else the SmolLM2 GGUF)", existing_path, None, metavar="PATH", group="tokenizer"),
     Setting("cache_dir", "where converted tokenizers are cached", str, "~/.cache/kvgate",
             metavar="PATH", group="tokenizer"),
+    Setting("chat_template", "Jinja chat template file used instead of the tokenizer's own (a base model "
+            "without one, e.g. Gemma 3 270M, answers /v1/chat/completions with 400 until given one)",
+            _template_file, None, metavar="FILE", group="tokenizer"),
     Setting("tool_call_parser", "format of the model's tool calls, parsed into message.tool_calls with tools "
             "and tool_choice auto; auto: detected from the chat template, else hermes (how a template that "
             "does not render tools gets them)", choice(("auto", *TOOL_PARSERS)), "auto", metavar="NAME",
@@ -187,6 +201,7 @@ class GatewayConfig:
     # Passed to spawned engines, which report it in /stats; None: the engines' own name.
     served_model_name: str | None = _DEFAULTS["served_model_name"]
     tokenizer: str = ""  # resolved by load_config
+    chat_template: str | None = field(default=_DEFAULTS["chat_template"], repr=False)  # a template's text
     index_url: str = _DEFAULTS["index_url"]
     routing: str = _DEFAULTS["routing"]
     prefix_load_bound: int = _DEFAULTS["prefix_load_bound"]
@@ -212,6 +227,7 @@ class GatewayConfig:
             "spawn_engines": self.spawn.count if self.spawn else 0,
             "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
             "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
+            "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
             "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
             "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
             "root_path": self.root_path,

@@ -137,17 +137,20 @@ class Tokenizer:
     """
 
     def __init__(self, hf_tokenizer: Any, probe_cache_size: int = 1024,
-                 conversation_cache_tokens: int = 4_000_000):
+                 conversation_cache_tokens: int = 4_000_000, chat_template: str | None = None):
+        """``chat_template``, when given, replaces the tokenizer's own (--chat-template)."""
         from transformers.convert_slow_tokenizer import bytes_to_unicode
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.hf = hf_tokenizer
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         self.vocab_size = len(hf_tokenizer)
-        try:
-            self.chat_template: str | None = hf_tokenizer.get_chat_template()
-        except ValueError:
-            self.chat_template = None
+        self.chat_template = chat_template
+        if chat_template is None:
+            try:
+                self.chat_template = hf_tokenizer.get_chat_template()
+            except ValueError:
+                pass
         # apply_chat_template passes the special tokens to the template; so must we, for identical text.
         self._template_kwargs = dict(hf_tokenizer.special_tokens_map)
         # transformers' own sandboxed Jinja environment (filters, globals, extensions), compiled once.

@@ -71,6 +71,15 @@ def test_dataclass_defaults_are_the_settings_defaults():
     assert dataclasses.replace(loaded, engines=(), tokenizer="", cache_dir=GatewayConfig().cache_dir) == GatewayConfig()
 
 
+def test_chat_template_file_is_read_at_start(tmp_path: Path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config([*ENGINE, "--chat-template", str(template)], environ={}).chat_template == template.read_text()
+    template.write_text("  \n")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        load_config([*ENGINE, "--chat-template", str(template)], environ={})
+
+
 def test_spawned_engines_publish_to_a_shared_index_only():
     redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
     assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
@@ -91,6 +100,7 @@ def test_spawned_engines_publish_to_a_shared_index_only():
     (["--max-in-flight", "0"], {}, "--max-in-flight='0'"),
     (["--health-interval", "-1"], {}, "--health-interval='-1'"),
     (["--api-key-file", "/nonexistent/keys"], {}, "--api-key-file='/nonexistent/keys'"),
+    (["--chat-template", "/nonexistent/t.jinja"], {}, "--chat-template='/nonexistent/t.jinja': cannot read it"),
     ([*ENGINE, "--spawn-engines", "2"], {}, "--engine and --spawn-engines exclude each other"),
     ([*ENGINE, "--model", "x.gguf"], {}, "--model only applies with --spawn-engines"),
     ([*ENGINE, "--served-model-name", "m"], {}, "--served-model-name only applies with --spawn-engines"),
