@@ -360,6 +360,9 @@ class EngineConfig:
               "sequence); 0 turns them off")
     kernel_backend: str = _flag("auto", "kernel op set: triton kernels or the torch reference ops; auto = triton "
                                 "on CUDA, torch on the CPU", choices=KERNEL_BACKENDS)
+    tensor_parallel_size: int = _flag(
+        1, "shard the model over this many ranks, one process each (on CUDA one GPU each, from --device's "
+           "onward; NCCL, gloo on the CPU); rank 0 schedules and serves, a rank that dies fails the engine")
     seed: int = _flag(0, "seed for dummy weights and unseeded sampling")
     served_model_name: str | None = _flag(
         None, "model id in /stats, which gateways list in /v1/models, and in KV events (default: "
@@ -371,7 +374,7 @@ class EngineConfig:
     replica_id: str = _flag("engine-0", "this engine's id in the prefix index and /stats", serve_only=True)
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
