@@ -253,6 +253,13 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_ids=(128001, 128009),
     ),
+    # Larger than one H200 in bf16 (141 GB of weights): served with --tensor-parallel-size 2 or more.
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
     "qwen3-0.6b": ModelConfig(
         name="qwen3-0.6b", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,

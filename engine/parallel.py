@@ -137,14 +137,23 @@ def _forward_inputs(msg: Forward, device: torch.device) -> tuple[torch.Tensor, t
 
 
 class Followers:
-    """Rank 0's pipes to the other ranks. ``send`` raises BrokenPipeError / OSError when one is gone."""
+    """Rank 0's pipes to the other ranks."""
 
     def __init__(self, conns: list[Connection]):
         self.conns = conns
 
     def send(self, msg: Message) -> None:
+        """To every follower; raises OSError (BrokenPipeError) when one is gone."""
         for conn in self.conns:
             conn.send(msg)
+
+    def stop(self) -> None:
+        """Tell every follower still reachable to stop."""
+        for conn in self.conns:
+            try:
+                conn.send(Stop())
+            except OSError:  # gone already
+                pass
 
 
 class LeaderLM(nn.Module):
@@ -199,12 +208,21 @@ def _init_rank(config: EngineConfig, rank: int, address: str) -> tuple[dist.Proc
 
 def _load_shard(config: EngineConfig, rank: int, group: dist.ProcessGroup,
                 device: torch.device) -> tuple[TensorParallelLM, ModelConfig]:
-    """The full model read on the CPU, this rank's shard kept and moved to ``device``."""
-    from engine.models.loader import load_model
+    """The full model read on the CPU, this rank's shard kept and moved to ``device``. Dummy weights
+    are drawn per shard (seeded by rank) after sharding an uninitialized model, whose untouched
+    pages cost no memory: a shape larger than the host's memory (Llama-3-70B on two ranks) loads."""
+    from engine.models import build_model
+    from engine.models.loader import DUMMY_SEED, fill_dummy, load_dummy_config, load_model
 
-    model, model_config = load_model(config.model, config.load_format, "cpu", resolve_dtype(config),
-                                     load_ops(config.resolved_kernel_backend))
+    dtype, ops = resolve_dtype(config), load_ops(config.resolved_kernel_backend)
+    if config.load_format == "dummy":
+        model_config = load_dummy_config(config.model)
+        model = build_model(model_config, ops, "cpu", dtype)
+    else:
+        model, model_config = load_model(config.model, config.load_format, "cpu", dtype, ops)
     shard = shard_model(model, config.tensor_parallel_size, rank, group).to(device)
+    if config.load_format == "dummy":
+        fill_dummy(shard, DUMMY_SEED + rank)
     log.info("tensor_parallel_shard", rank=rank, world_size=config.tensor_parallel_size, device=str(device),
              num_heads=shard.config.num_heads, num_kv_heads=shard.config.num_kv_heads,
              intermediate_size=shard.config.intermediate_size)
@@ -317,10 +335,7 @@ class TensorParallelRanks:
     def close(self) -> None:
         """Stop the followers (killed if they do not exit in time) and leave the process group."""
         self._closing.set()
-        try:
-            self._followers.send(Stop())
-        except OSError:  # a follower is gone already
-            pass
+        self._followers.stop()
         deadline = time.monotonic() + _STOP_JOIN_S
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
