@@ -20,17 +20,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from paged import PagedKV
+from paged import PagedKV, peaky_tiny
+from starlette.testclient import TestClient
 from test_families import save_hf
 from test_server import ROOT, free_port, post
 
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.core import EngineCore
+from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.tp import head_split, local_config, shard_model
 from engine.offline import run_offline
 from engine.parallel import TensorParallelRanks
-from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+from engine.protocol import MSGPACK, GenerateRequest, OutputFrame, SamplingParams
+from engine.server import build_app
 from kernels import load_ops
 
 WORLD = 2
@@ -207,15 +210,15 @@ def test_a_dead_rank_fails_the_engine(tmp_path):
     log_path = tmp_path / "engine.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model", "mini", "--load-format",
-             "dummy", "--num-kv-blocks", "600", "--tensor-parallel-size", "2", "--cpu-threads", "1"],
+            [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model", "tiny", "--load-format",
+             "dummy", "--num-kv-blocks", "128", "--tensor-parallel-size", "2", "--cpu-threads", "1"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, log_path)
         follower = next(c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline()))
-        request = GenerateRequest("long", list(range(5, 40)), SamplingParams(max_tokens=8000, ignore_eos=True,
+        request = GenerateRequest("long", list(range(5, 40)), SamplingParams(max_tokens=980, ignore_eos=True,
                                                                                temperature=0.0))
         start = time.time()
         frames = []
@@ -228,10 +231,11 @@ def test_a_dead_rank_fails_the_engine(tmp_path):
                 if frames and follower.is_running():
                     os.kill(follower.pid, signal.SIGKILL)
         assert frames[-1].finish_reason == "error" and "rank 1" in frames[-1].error
-        assert sum(len(f.token_ids) for f in frames) < 8000
+        assert sum(len(f.token_ids) for f in frames) < 980
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and "engine failed" in health.json()["error"]["message"]
         assert post(url, GenerateRequest("after", [5, 6], SamplingParams(max_tokens=2)).pack()).status_code == 503
+        print(f"dead rank: request ended with an error, health red, {time.time() - start:.1f} s after the request")
         assert time.time() - start < 60
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -249,3 +253,39 @@ def _wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
         assert proc.poll() is None, log_path.read_text()
         time.sleep(0.2)
     raise TimeoutError(log_path.read_text())
+
+
+class _FaultyRunner(ModelRunner):
+    """Raises in any step that runs request "boom", as a failing device or a lost rank would."""
+
+    def execute(self, scheduled):
+        if any(seq.request_id == "boom" for seq, _ in scheduled):
+            raise RuntimeError("device fault")
+        return super().execute(scheduled)
+
+
+def test_a_step_that_raises_fails_the_engine_and_ends_its_requests():
+    model, model_config = peaky_tiny()
+    runner = _FaultyRunner(model, model_config, torch.device("cpu"), torch.float32, 16, 8, 1024)
+    config = EngineConfig(model="tiny", num_kv_blocks=64)
+    app = build_app(config, make_core=lambda: EngineCore(config, runner))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while (health := client.get("/health")).status_code != 200:  # the engine thread warms up
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+
+        def generate(rid: str, n: int = 1):
+            request = GenerateRequest(rid, [10, 11, 12], SamplingParams(max_tokens=4, n=n, temperature=0.0))
+            return client.post("/generate", content=request.pack(), headers={"content-type": MSGPACK})
+
+        assert generate("fine").status_code == 200
+        resp = generate("boom", n=2)
+        unpacker = msgpack.Unpacker(strict_map_key=False)
+        unpacker.feed(resp.content)
+        ends = {f.index: f for f in map(OutputFrame.from_wire, unpacker) if f.finish_reason}
+        assert sorted(ends) == [0, 1]
+        assert all(f.finish_reason == "error" and f.error == "engine failed: device fault" for f in ends.values())
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == "engine failed: device fault"
+        assert generate("after").status_code == 503
