@@ -6,8 +6,10 @@ and its own KV cache with the same block ids, then follows rank 0: before each c
 rank 0 sends every follower, over its pipe, a small typed message (:data:`Message`) with the
 call's inputs — a step's token ids, positions and block tables; the rows whose logits are wanted
 (their hidden states are broadcast: every rank's vocabulary shard needs them); page copies; the
-pool's size — and the followers run the same call, so the collectives inside line up. Everything
-the scheduler decides (prefix caching, exact-position entries, KV events) stays on rank 0.
+pool's size — and the followers run the same call, so the collectives inside line up. Decode
+steps run through CUDA graphs captured per rank (:class:`RankDecodeGraphs`): rank 0 names the graph
+and the graph itself broadcasts its inputs. Everything the scheduler decides (prefix caching,
+exact-position entries, KV events) stays on rank 0.
 
 Failure: collectives time out after COLLECTIVE_TIMEOUT; a watchdog thread on rank 0 waits on the
 children's process sentinels and reports a death at once (the engine turns it into a failed
@@ -37,9 +39,11 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, context_limit, resolve_dtype
+from engine.cuda_graphs import DecodeGraphs, DecodeOutput, decode_buckets
 from engine.logs import configure_logging
 from engine.model_runner import ModelRunner
 from engine.models.tp import TensorParallelLM, shard_model
+from engine.request import Sequence
 from engine.structured import Grammars
 from kernels import load_ops
 
@@ -93,11 +97,25 @@ class Logits:
 
 
 @dataclass(frozen=True, slots=True)
+class CaptureGraphs:
+    """Build the decode graphs (captured on CUDA) as rank 0 does, in the same order."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeReplay:
+    """A decode step through the graph ``key`` (bucket, context bound); its inputs come by broadcast.
+    ``seq_lens``: the padded lengths, which only the CPU's uncaptured path reads."""
+
+    key: tuple[int, int]
+    seq_lens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     pass
 
 
-Message = AllocateKV | CopyBlocks | Forward | Logits | Stop
+Message = AllocateKV | CopyBlocks | Forward | Logits | CaptureGraphs | DecodeReplay | Stop
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -177,8 +195,51 @@ class LeaderLM(nn.Module):
         return self.model.compute_logits(rows, out)
 
 
+class RankDecodeGraphs(DecodeGraphs):
+    """One rank's decode graphs over its shard. Each graph begins by broadcasting rank 0's static
+    inputs (token ids, positions, slots, lengths, block tables: captured with the rest), so a
+    follower replays the same graph knowing only which one; rank 0's tell the followers first."""
+
+    def __init__(self, runner: ModelRunner, model: TensorParallelLM, followers: Followers | None):
+        super().__init__(
+            model, runner.kv_caches, runner.device, runner.block_size, runner.max_blocks_per_seq,
+            decode_buckets(runner.max_num_seqs), capture=runner.device.type == "cuda",
+            num_groups=len(runner.layout.group_windows),
+        )
+        self.followers = followers
+        self.group = model.group
+
+    def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
+        for buffer in (self._ids, self._seq_lens, self._tables):
+            dist.broadcast(buffer, src=0, group=self.group)
+        return super()._forward(batch_size, context_bound, seq_lens_cpu)
+
+    def run(self, seqs: list[Sequence]) -> DecodeOutput:
+        """Rank 0's step: as DecodeGraphs.run, the followers told which graph first."""
+        seq_lens = [seq.num_computed_tokens + 1 for seq in seqs]
+        key = self.graph_key(len(seqs), max(seq_lens))
+        self.followers.send(DecodeReplay(key, seq_lens + [0] * (key[0] - len(seqs))))
+        return super().run(seqs)
+
+    def replay(self, msg: DecodeReplay) -> None:
+        """A follower's step: the graph rank 0 replays."""
+        if self.capture_graphs:
+            self._graphs[msg.key].replay()
+        else:  # the CPU: the padded buffers run eagerly
+            self._forward(*msg.key, msg.seq_lens)
+
+
+def _capture(graphs: RankDecodeGraphs) -> int:
+    if not graphs.capture_graphs:
+        return 0
+    with torch.inference_mode():
+        return graphs.capture()
+
+
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: the followers allocate and copy KV pages as it does (the same block ids)."""
+    """Rank 0's runner: the followers allocate and copy KV pages as it does (the same block ids)
+    and build their decode graphs with it. On the CPU (tests) the graphs are the padded buffers
+    run eagerly, with the same broadcasts."""
 
     def __init__(self, *args, followers: Followers, **kwargs):
         super().__init__(*args, **kwargs)
@@ -191,6 +252,11 @@ class LeaderRunner(ModelRunner):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.followers.send(CopyBlocks(pairs))
         super().copy_blocks(pairs)
+
+    def capture_decode_graphs(self) -> int:
+        self.followers.send(CaptureGraphs())
+        self.decode_graphs = RankDecodeGraphs(self, self.model.model, self.followers)
+        return _capture(self.decode_graphs)
 
 
 # --- every rank --------------------------------------------------------------------------------
@@ -244,6 +310,7 @@ def _follower_main(rank: int, config: EngineConfig, address: str, conn: Connecti
     group, device = _init_rank(config, rank, address)
     model, model_config = _load_shard(config, rank, group, device)
     runner = _runner(ModelRunner, model, config, model.config, model_config, device)
+    graphs: RankDecodeGraphs | None = None
     dist.barrier(group)
     with torch.inference_mode():
         while True:
@@ -266,6 +333,11 @@ def _follower_main(rank: int, config: EngineConfig, address: str, conn: Connecti
                     runner.allocate_kv_cache(num_blocks)
                 case CopyBlocks(pairs):
                     runner.copy_blocks(pairs)
+                case CaptureGraphs():
+                    graphs = RankDecodeGraphs(runner, model, None)
+                    _capture(graphs)
+                case DecodeReplay():
+                    graphs.replay(msg)
                 case Stop():
                     break
     dist.destroy_process_group()

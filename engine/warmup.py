@@ -53,10 +53,6 @@ def warmup(core: EngineCore) -> None:
 def _use_cuda_graphs(core: EngineCore) -> bool:
     if core.device.type != "cuda" or core.config.enforce_eager:
         return False
-    if core.config.tensor_parallel_size > 1:
-        # Rank 0 tells the other ranks each eager call's inputs; replaying a graph would bypass that.
-        log.warning("cuda_graphs_disabled", reason="tensor parallel runs eagerly")
-        return False
     if core.config.resolved_kernel_backend != "triton":
         # The torch reference ops synchronize with the host, which a capture forbids.
         log.warning("cuda_graphs_disabled", reason="kernel_backend torch")
