@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -303,10 +304,19 @@ def _runner(cls: type[ModelRunner], model: nn.Module, config: EngineConfig, shar
 
 def _follower_main(rank: int, config: EngineConfig, address: str, conn: Connection, log_level: str,
                    cpu_threads: int) -> None:
-    """A follower rank's process: load, shard, then run what rank 0 sends until Stop or EOF."""
+    """A follower rank's process: load, shard, then run what rank 0 sends until Stop or EOF. An
+    error is logged and ends the process (rank 0's watchdog then fails the engine)."""
     configure_logging(log_level)
     structlog.contextvars.bind_contextvars(tp_rank=rank)
     torch.set_num_threads(cpu_threads)
+    try:
+        _follow(rank, config, address, conn)
+    except Exception:
+        log.exception("tensor_parallel_rank_failed", rank=rank)
+        sys.exit(1)
+
+
+def _follow(rank: int, config: EngineConfig, address: str, conn: Connection) -> None:
     group, device = _init_rank(config, rank, address)
     model, model_config = _load_shard(config, rank, group, device)
     runner = _runner(ModelRunner, model, config, model.config, model_config, device)
