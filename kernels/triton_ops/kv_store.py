@@ -8,18 +8,47 @@ import triton.language as tl
 
 from kernels.triton_ops._checks import (
     _FLOAT_DTYPES,
+    _INTERPRETED,
     _INDEX_DTYPES,
     _check,
     _check_devices,
     _check_kv_cache,
     _check_last_dim_contiguous,
     _check_tensor,
+    _kv_scales,
 )
+
+_FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
+# The interpreter's fp32 -> fp8 conversion rounds ties away and loses the carry of a mantissa
+# that rounds up (124.1 becomes 64): there values are rounded to E4M3 first, in fp32.
+_ROUND_BEFORE_FP8 = tl.constexpr(_INTERPRETED)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 ``x`` (within ±448) rounded to nearest-even E4M3, still in fp32: normals keep 3
+    mantissa bits, subnormals (below 2^-6) become multiples of 2^-9."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2^14: the sum's unit is 2^-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr):
+    """``x`` as a cache of ``cache_ptr``'s type stores it: with a ``scale`` (an fp8 cache),
+    ``x / scale`` rounded to nearest and saturated (E4M3 has no infinity: an overflow would be NaN)."""
+    if scale is not None:
+        x = tl.math.div_rn(x.to(tl.float32), scale)
+        x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+        if _ROUND_BEFORE_FP8:
+            x = _round_to_e4m3(x)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -33,17 +62,23 @@ def _store_kv_kernel(
     d = tl.arange(0, DIM_PAD)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     dst = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s + h * cache_stride_h + d
+    k_scale = None
+    v_scale = None
+    if k_scale_ptr is not None:
+        k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
+        v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
     k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_scale, k_cache_ptr), mask=mask)
     v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_scale, v_cache_ptr), mask=mask)
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     _check_kv_cache(k_cache, v_cache)
+    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
     _check_tensor("key", key, 3, _FLOAT_DTYPES)
     _check_tensor("value", value, 3, _FLOAT_DTYPES)
     _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
@@ -63,7 +98,7 @@ def store_kv(
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
