@@ -224,6 +224,8 @@ class EngineStats:
     prefill_pack_tokens: int
     max_num_seqs: int
     total_busy_seconds: float  # time spent in engine steps since start
+    kv_cache_dtype: str  # --kv-cache-dtype as resolved: the KV pool's torch dtype name
+    kv_tokens_per_gib: int  # tokens of context one GiB of the KV pool holds (all layers)
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}

@@ -133,8 +133,15 @@ class KernelOps(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``."""
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``.
+
+        With ``weight_scale [out_features]`` fp32, ``weight`` is fp8 (E4M3) holding ``w / scale`` per
+        output channel, and each row of ``x`` is quantized to fp8 over its own scale (absolute
+        maximum / 448): the product of the fp8 values, accumulated in fp32, times both scales,
+        returned in ``x``'s dtype."""
 
     def norm_linear(
         self,
@@ -144,6 +151,7 @@ class KernelOps(Protocol):
         residual: torch.Tensor | None,
         weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * out_features, hidden] (gate, then up)
         gated: bool = False,
+        weight_scale: torch.Tensor | None = None,  # [out_features] (gated: [2 * out_features]), fp8 weight
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
         silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""

@@ -216,16 +216,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x [rows, k]`` as fp8 over its own scale (its absolute maximum / 448, rounded
+    to nearest): ``(x_fp8, scale [rows, 1] fp32)``. An all-zero row gets scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _FP8_MAX, 1.0)
+    return (xf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    if weight_scale is None:
+        return F.linear(x, weight)
+    # fp8 weights: the rows of x quantized too, one fp32 product of the fp8 values, both scales after
+    x_fp8, x_scale = quantize_rows(x)
+    out = F.linear(x_fp8.float(), weight.float()) * x_scale * weight_scale
+    return out.to(x.dtype)
 
 
 def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-    weight: torch.Tensor, gated: bool = False,
+    weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     normed, residual = rms_norm(x, norm_weight, eps, residual)
-    out = linear(normed, weight)
+    out = linear(normed, weight, weight_scale)
     return (silu_and_mul(out) if gated else out), residual
 
 

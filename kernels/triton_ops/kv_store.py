@@ -8,7 +8,6 @@ import triton.language as tl
 
 from kernels.triton_ops._checks import (
     _FLOAT_DTYPES,
-    _INTERPRETED,
     _INDEX_DTYPES,
     _check,
     _check_devices,
@@ -17,33 +16,18 @@ from kernels.triton_ops._checks import (
     _check_tensor,
     _kv_scales,
 )
-
-_FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
-# The interpreter's fp32 -> fp8 conversion rounds ties away and loses the carry of a mantissa
-# that rounds up (124.1 becomes 64): there values are rounded to E4M3 first, in fp32.
-_ROUND_BEFORE_FP8 = tl.constexpr(_INTERPRETED)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """fp32 ``x`` (within ±448) rounded to nearest-even E4M3, still in fp32: normals keep 3
-    mantissa bits, subnormals (below 2^-6) become multiples of 2^-9."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2^14: the sum's unit is 2^-9
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+from kernels.triton_ops.fp8 import to_fp8
 
 
 @triton.jit
 def _to_cache(x, scale, cache_ptr):
-    """``x`` as a cache of ``cache_ptr``'s type stores it: with a ``scale`` (an fp8 cache),
-    ``x / scale`` rounded to nearest and saturated (E4M3 has no infinity: an overflow would be NaN)."""
+    """``x`` as a cache of ``cache_ptr``'s type stores it: with a ``scale`` (an fp8 cache), ``x / scale``
+    in fp8 (see ``to_fp8``)."""
     if scale is not None:
-        x = tl.math.div_rn(x.to(tl.float32), scale)
-        x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-        if _ROUND_BEFORE_FP8:
-            x = _round_to_e4m3(x)
-    return x.to(cache_ptr.dtype.element_ty)
+        y = to_fp8(x, scale)
+    else:
+        y = x.to(cache_ptr.dtype.element_ty)
+    return y
 
 
 @triton.jit
