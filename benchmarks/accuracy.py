@@ -44,7 +44,28 @@ class Agreement:
     prompts_fully_agreed: int
 
     @property
-    def agreement(
+    def agreement(self) -> float:
+        return self.agreed_tokens / self.total_tokens
+
+    def record(self) -> dict:
+        return dict(agreement=round(self.agreement, 4), agreed_tokens=self.agreed_tokens,
+                    total_tokens=self.total_tokens, mean_abs_dlogprob=round(self.mean_abs_dlogprob, 5),
+                    max_abs_dlogprob=round(self.max_abs_dlogprob, 5), prompts_fully_agreed=self.prompts_fully_agreed)
+
+
+def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    """Greedy ``(token, logprob)`` lists, every prompt submitted at once (they batch)."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    out: dict[str, list[tuple[int, float]]] = {f"acc{i}": [] for i in range(len(prompts))}
+    for rid, prompt in zip(out, prompts):
+        core.add_request(GenerateRequest(rid, prompt, sampling))
+    while core.has_work():
+        for frame in core.step():
+            out[frame.request_id] += [(t, lp.logprob) for t, lp in zip(frame.token_ids, frame.logprobs or [])]
+    return list(out.values())
+
+
+def agreement(
     reference: list[list[tuple[int, float]]], tested: list[list[tuple[int, float]]]
 ) -> Agreement:
     """Compare ``generate``'s outputs of the peer (``reference``) and of a variant."""

@@ -407,7 +407,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization == "fp8" and self.device != "cpu" and self.dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), got {self.dtype!r}")
+            raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), "
+                             f"got {self.dtype!r}")
         if self.served_model_name is not None and (not self.served_model_name
                                                    or any(c.isspace() for c in self.served_model_name)):
             raise ValueError(f"served_model_name must be non-empty without whitespace, got {self.served_model_name!r}")

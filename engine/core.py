@@ -19,8 +19,8 @@ from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
 from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
-from engine.models.fp8 import is_fp8, quantize_fp8
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
+from engine.models.fp8 import is_fp8, quantize_fp8
 from engine.protocol import (
     EngineStats,
     GenerateRequest,

@@ -18,7 +18,6 @@ from kernels.triton_ops._checks import (
     _kv_scales,
 )
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
-from kernels.triton_ops.kv_store import _to_cache
 from kernels.triton_ops.attention import (
     _LOG2E,
     _attend_tile,
@@ -37,6 +36,7 @@ from kernels.triton_ops.attention import (
     decode_num_splits,
     fused_decode_kind,
 )
+from kernels.triton_ops.kv_store import _to_cache
 
 # The last program merges the partials one by one: its keys go to at most this many splits
 # (fastest on the H200 at 512 and 2K tokens), more only past this many keys a split.
