@@ -81,7 +81,11 @@ def test_gpu_fp8_norm_linear_llama3_8b_shapes(rows, gated):
     out, _ = triton_ops.norm_linear(x, norm_weight, 1e-5, residual, weight, gated, scale)
     expected, _ = reference.norm_linear(x, norm_weight, 1e-5, residual, weight, gated, scale)
     tol = GPU_ATTENTION_TOL[torch.bfloat16]
-    assert_close(out, expected, rtol=tol, atol=tol)
+    # The compiled rms_norm may round a normed value one bf16 unit from the reference's, and that
+    # value then to the neighbouring fp8 one: on the H200 309 of 4M outputs (1000 rows), at most 0.10 off.
+    diff = (out.float() - expected.float()).abs()
+    assert (diff > tol * (1 + expected.float().abs())).float().mean() <= 1e-3
+    assert diff.max() <= 0.25
 
 
 @gpu
