@@ -143,9 +143,10 @@ class HybridKVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> HybridPrefixMatch:
         """The longest prefix of whole blocks that every group serves; leaves at least one token
-        to compute. Pure query."""
+        to compute. Pure query. A sequence that still needs prompt logprobs gets no hit (as in
+        KVCacheManager.match_prefix)."""
         empty = HybridPrefixMatch([[] for _ in self.windows], None, 0)
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return empty
         hashes = seq.update_block_hashes(self.block_size)[: (seq.num_tokens - 1) // self.block_size]
         found = [[self.cached[g].get(h) for h in hashes] for g in range(len(self.windows))]
