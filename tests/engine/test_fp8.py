@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 import torch
 from paged import PagedKV
+from test_kv_groups import gemma_tiny  # noqa: F401 (a fixture)
 from test_model import save_hf_llama
 
 from benchmarks.accuracy import agreement, generate, smollm2_prompts
@@ -166,3 +168,23 @@ def test_fp8_weights_greedy_agreement_on_smollm2(smollm2, fp32_reference):
     print("fp8 weights vs fp32 weights on SmolLM2:", result.record())
     assert is_fp8(model) and not is_fp8(smollm2[0])
     assert result.agreement >= 0.6
+
+
+def test_fp8_kv_on_a_hybrid_pool(gemma_tiny):  # noqa: F811 (the imported fixture)
+    """Gemma 3's layer groups (window layers freeing pages) over an fp8 pool: each layer its own
+    scales, a prefix hit gives the cold run's tokens, integrity holds."""
+    model, config = gemma_tiny
+    settings = dict(max_num_batched_tokens=256, num_kv_blocks=1024)
+    plain = EngineCore.from_model(EngineConfig(model="gemma3-test", **settings), model, config)
+    core = EngineCore.from_model(EngineConfig(model="gemma3-test", kv_cache_dtype="fp8_e4m3", **settings),
+                                 model, config)
+    assert core.runner.kv_pages[0][0].dtype == FP8_KV
+    assert core.kv_tokens_per_gib // 4 == plain.kv_tokens_per_gib
+    scales = {tuple(layer.self_attn.k_scale.tolist()) for layer in model.model.layers}
+    assert len(scales) == config.num_layers
+    prompt = [random.Random(3).randrange(2, 512) for _ in range(700)]
+    cold = generate(core, [prompt], 8)
+    warm = generate(core, [prompt], 8)
+    assert [t for t, _ in warm[0]] == [t for t, _ in cold[0]]
+    assert core.kv.prefix_hit_rate > 0
+    assert core.check_integrity().used == 0
