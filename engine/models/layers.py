@@ -225,7 +225,10 @@ class CausalLM(nn.Module):
             prefix, _, suffix = name.partition(".layers.")
             layer, _, local = suffix.partition(".")
             module, _, attr = local.rpartition(".")
-            if f"{module}.weight" in fused:  # the weight, or a tensor that goes with it row by row (fp8 scales)
+            if local in fused:
+                for part, rows in fused[local].items():
+                    layout[f"{prefix}.layers.{layer}.{part}"] = (name, rows)
+            elif f"{module}.weight" in fused:  # a tensor that goes with a fused weight row by row (fp8 scales)
                 for part, rows in fused[f"{module}.weight"].items():
                     layout[f"{prefix}.layers.{layer}.{part.removesuffix('.weight')}.{attr}"] = (name, rows)
             else:
