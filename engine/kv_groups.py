@@ -80,7 +80,6 @@ class HybridPrefixMatch(NamedTuple):
     """Cached blocks of every group serving ``num_tokens`` prompt tokens (FREED before a window)."""
 
     tables: list[list[int]]
-    entry: None
     num_tokens: int
 
 
@@ -145,7 +144,7 @@ class HybridKVCacheManager:
         """The longest prefix of whole blocks that every group serves; leaves at least one token
         to compute. Pure query. A sequence that still needs prompt logprobs gets no hit (as in
         KVCacheManager.match_prefix)."""
-        empty = HybridPrefixMatch([[] for _ in self.windows], None, 0)
+        empty = HybridPrefixMatch([[] for _ in self.windows], 0)
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return empty
         hashes = seq.update_block_hashes(self.block_size)[: (seq.num_tokens - 1) // self.block_size]
@@ -155,7 +154,7 @@ class HybridKVCacheManager:
             firsts = [self._first_needed(g, position) for g in range(len(self.windows))]
             if all(None not in found[g][first:num_hit] for g, first in enumerate(firsts)):
                 tables = [[FREED] * first + found[g][first:num_hit] for g, first in enumerate(firsts)]
-                return HybridPrefixMatch(tables, None, position)
+                return HybridPrefixMatch(tables, position)
         return empty
 
     # --- commands ------------------------------------------------------------------------
