@@ -375,7 +375,8 @@ class EngineConfig:
               f"{DEFAULT_MODEL_NAME} for the default GGUF, else a dummy shape's name, a file's stem or a "
               "directory's name)", metavar="NAME")
     # serve only: offline runs publish nothing
-    index_url: str | None = _flag(None, "publish KV cache events to this prefix index (redis://host:6379/0); "
+    index_url: str | None = _flag(None, "publish KV cache events to this prefix index (redis://host:6379/0, or "
+                                  "redis+cluster://host:6379,host:6379 on a Redis Cluster); "
                                   "default: none", serve_only=True)
     replica_id: str = _flag("engine-0", "this engine's id in the prefix index and /stats", serve_only=True)
 

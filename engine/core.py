@@ -328,6 +328,7 @@ class EngineCore:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             kv_usage=round(kv.usage, 4),
+            num_cached_blocks=kv.num_cached_blocks,
             prefix_hit_rate=round(kv.prefix_hit_rate, 4),
             num_position_entries=len(kv.entries),
             num_preemptions=self.scheduler.num_preemptions,

@@ -116,6 +116,11 @@ class HybridKVCacheManager:
         return len(self.free_queue)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix (in use or evictable), in every group."""
+        return sum(len(cached) for cached in self.cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / self.num_blocks
 

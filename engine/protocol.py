@@ -217,6 +217,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     kv_usage: float  # fraction of KV blocks in use or unavailable
+    num_cached_blocks: int  # blocks holding a reusable prefix, in use or evictable (cold placement reads it)
     prefix_hit_rate: float
     num_position_entries: int  # exact-position entries held
     num_preemptions: int

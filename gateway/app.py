@@ -126,7 +126,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             urls = list(config.engines) if procs is None else await procs.start()
             hf = await asyncio.to_thread(load_hf_tokenizer, config.tokenizer, config.cache_dir)
             tokenizer = Tokenizer(hf, chat_template=config.chat_template)
-            pool = EnginePool(urls, transport, metrics)
+            pool = EnginePool(urls, transport, metrics, dns=config.engine_dns)
             model = await pool.wait_ready(config.engine_startup_timeout, require_all=procs is not None,
                                           check_alive=procs.check_alive if procs is not None else lambda: None)
             if tokenizer.vocab_size > model.limits.vocab_size:
@@ -139,8 +139,8 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics,
                               response_store)
             health = asyncio.create_task(pool.run_health_checks(config.health_interval))
-            log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
-                     routing=config.routing, auth=bool(config.api_keys),
+            log.info("gateway_ready", model=name, replicas=[r.url for r in pool.replicas],
+                     max_model_len=model.limits.max_model_len, routing=config.routing, auth=bool(config.api_keys),
                      tenant_isolation=not config.shared_prefix_cache)
             if not config.api_keys:
                 log.warning("auth_disabled", reason="no --api-key, --api-key-file or API_KEYS: the API is open")

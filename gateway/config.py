@@ -37,8 +37,7 @@ from gateway.settings import (
 )
 from gateway.spawn import SpawnConfig
 from gateway.tool_parsers import TOOL_PARSERS
-
-INDEX_SCHEMES = ("memory", "redis", "rediss", "unix")
+from prefix_index.index import INDEX_SCHEMES, redact_url
 
 
 def has_tokenizer_files(path: Path) -> bool:
@@ -60,6 +59,13 @@ def _engine_url(text: str) -> str:
     except ValueError:
         raise ValueError("has a malformed port") from None
     return text.strip().rstrip("/")
+
+
+def _dns_target(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise ValueError("must be NAME:PORT, e.g. kvgate-engine.kvgate.svc.cluster.local:8100")
+    return host, int(port)
 
 
 def _api_key(text: str) -> str:
@@ -123,9 +129,12 @@ _SETTINGS: tuple[Setting, ...] = (
             "salt, so tenants never reuse each other's cache)", boolean, False, switch=True, group="auth"),
     Setting("engine", "engine sidecar URL (repeatable)", _engine_url, (), env="KVGATE_ENGINES",
             repeatable=True, metavar="URL", group="engines"),
+    Setting("engine_dns", "a DNS name whose A/AAAA records are engine sidecars, with their port (a Kubernetes "
+            "headless Service): re-resolved every --health-interval, adding and dropping replicas without a "
+            "restart; combines with --engine", _dns_target, None, metavar="NAME:PORT", group="engines"),
     Setting("spawn_engines", "start N local engine subprocesses on free ports (default: 1 when no "
-            "--engine is given); they are stopped with the gateway", integer(1, 64), None, metavar="N",
-            group="engines"),
+            "--engine or --engine-dns is given); they are stopped with the gateway", integer(1, 64), None,
+            metavar="N", group="engines"),
     Setting("routing", "replica choice: prefix (least predicted work: uncached prompt tokens plus queued "
             "prefill, from the shared prefix index), least-load (fewest requests) or round-robin",
             choice(tuple(ROUTERS)), "prefix", group="engines"),
@@ -137,8 +146,9 @@ _SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_ttl", "with --routing prefix: seconds a routed prompt counts as cached on its replica "
             "before the engine's own KV events confirm it", positive_float, 10.0, metavar="SECONDS",
             group="engines"),
-    Setting("index_url", "prefix index: memory:// or redis://host:port/db; spawned engines publish "
-            "their KV events to a redis:// one; read by prefix-aware routing (least-load and round-robin "
+    Setting("index_url", "prefix index: memory://, redis://[:PASSWORD@]host:port/db or "
+            "redis+cluster://[:PASSWORD@]host:port,host:port,... (Redis Cluster); spawned engines publish "
+            "their KV events to a Redis one; read by prefix-aware routing (least-load and round-robin "
             "do not)", _index_url, "memory://", group="engines"),
     Setting("response_ttl", "seconds a stored Responses API response (store: true) stays readable by "
             "previous_response_id; kept where --index-url points (redis://: shared by gateways)",
@@ -196,6 +206,7 @@ class GatewayConfig:
     host: str = _DEFAULTS["host"]
     port: int = _DEFAULTS["port"]
     engines: tuple[str, ...] = _DEFAULTS["engine"]
+    engine_dns: tuple[str, int] | None = _DEFAULTS["engine_dns"]  # (name, port)
     spawn: SpawnConfig | None = None  # None: the --engine URLs
     api_keys: tuple[str, ...] = field(default=_DEFAULTS["api_key"], repr=False)  # secrets: never in logs
     # Passed to spawned engines, which report it in /stats; None: the engines' own name.
@@ -224,13 +235,14 @@ class GatewayConfig:
         """Loggable view: key count instead of keys."""
         return {
             "host": self.host, "port": self.port, "engines": list(self.engines),
+            "engine_dns": ":".join(map(str, self.engine_dns)) if self.engine_dns else None,
             "spawn_engines": self.spawn.count if self.spawn else 0,
             "model": self.spawn.model if self.spawn else None, "api_keys": len(self.api_keys),
             "served_model_name": self.served_model_name, "tokenizer": self.tokenizer,
             "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
-            "index_url": self.index_url, "routing": self.routing, "prefix_load_bound": self.prefix_load_bound,
-            "index_lookup_timeout": self.index_lookup_timeout, "speculative_ttl": self.speculative_ttl,
-            "root_path": self.root_path,
+            "index_url": redact_url(self.index_url), "routing": self.routing,
+            "prefix_load_bound": self.prefix_load_bound, "index_lookup_timeout": self.index_lookup_timeout,
+            "speculative_ttl": self.speculative_ttl, "root_path": self.root_path,
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
             "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
             "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
@@ -274,14 +286,16 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 
 def _spawn_config(v: Mapping[str, Any]) -> SpawnConfig | None:
-    """The engines to start; None with --engine URLs, which run their own model (spawn flags are an error)."""
+    """The engines to start; None with --engine URLs or --engine-dns, which run their own model (spawn
+    flags are an error)."""
     flags = {s.dest: v[s.dest] for s in _SETTINGS if s.group == "spawn"}
-    if v["engine"]:
+    if v["engine"] or v["engine_dns"]:
+        given_engines = "--engine" if v["engine"] else "--engine-dns"
         if v["spawn_engines"] is not None:
-            raise ConfigError("--engine and --spawn-engines exclude each other: give one of them")
+            raise ConfigError(f"{given_engines} and --spawn-engines exclude each other: give one of them")
         given = [s.flag for s in _SETTINGS if s.dest in flags and flags[s.dest] is not None]
         if given:
-            raise ConfigError(f"{given[0]} only applies with --spawn-engines (the --engine URLs are "
+            raise ConfigError(f"{given[0]} only applies with --spawn-engines (the {given_engines} engines are "
                               "already running their model)")
         return None
     if flags["model"] is None:

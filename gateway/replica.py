@@ -58,6 +58,16 @@ class Replica:
         return self.stats.replica_id if self.stats is not None else None
 
     @property
+    def kv_footprint(self) -> float:
+        """Share of its engine's KV blocks in use or holding cached prefixes, as of the last poll (0 before one).
+
+        Free blocks include evictable cached ones, so the larger of the two counts is the surer one."""
+        s = self.stats
+        if s is None or s.num_total_blocks == 0:
+            return 0.0
+        return max(s.num_total_blocks - s.num_free_blocks, s.num_cached_blocks) / s.num_total_blocks
+
+    @property
     def in_flight(self) -> int:
         """This gateway's engine requests on it."""
         return len(self.streams)

@@ -13,7 +13,7 @@ from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, Model
 from engine.core import EngineCore
 from engine.kv_groups import FREED, HybridKVCacheManager, KVLayout, group_tables, kv_layout
 from engine.models import build_model
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import EngineStats, GenerateRequest, SamplingParams
 from engine.request import Sequence
 from kernels import load_ops
 
@@ -193,6 +193,8 @@ def test_repeated_3k_prompt_hits_its_cache_with_the_same_output(gemma_tiny):
     assert cold[1] == 0 and warm[1] == 2992  # every whole block but the one the last token needs
     assert warm[0] == cold[0]
     assert core.check_integrity().used == 0
+    stats = EngineStats.from_wire(core.stats().to_wire())  # /stats of a hybrid pool, as the gateway reads it
+    assert stats.num_cached_blocks >= 2992 // core.kv.block_size
 
 
 def test_mid_prompt_edit_resumes_where_every_group_can(gemma_tiny):

@@ -84,6 +84,10 @@ def test_spawned_engines_publish_to_a_shared_index_only():
     redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
     assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
     assert "--index-url" not in load_config(["--index-url", "memory://"], environ={}).spawn.argv("h", 1, 0)
+    cluster = "redis+cluster://:pw@10.0.0.1:6379,10.0.0.2:6379"
+    argv = load_config(["--index-url", cluster], environ={}).spawn.argv("h", 1, 0)
+    assert argv[argv.index("--index-url") + 1] == cluster
+    assert load_config(["--index-url", cluster, "--engine", "http://e:1"], environ={}).index_url == cluster
 
 
 @pytest.mark.parametrize("argv, env, named", [
@@ -121,3 +125,28 @@ def test_cli_exits_2_naming_the_flag():
 
 def test_env_lists_are_comma_separated_and_trimmed():
     assert load_config(ENGINE, environ={"API_KEYS": "k1, k2,"}).api_keys == ("k1", "k2")
+
+
+def test_engine_dns_names_a_headless_service_and_excludes_spawning():
+    config = load_config(["--engine-dns", "kvgate-engine.kvgate.svc:8100"], environ={})
+    assert (config.engine_dns, config.spawn, config.engines) == (("kvgate-engine.kvgate.svc", 8100), None, ())
+    assert load_config([], environ={"KVGATE_ENGINE_DNS": "e:1"}).engine_dns == ("e", 1)
+    for bad in ("kvgate-engine", "kvgate-engine:http", ":8100", "e:0", "http://e:8100"):
+        with pytest.raises(ConfigError, match="--engine-dns=.*NAME:PORT"):
+            load_config(["--engine-dns", bad], environ={})
+    with pytest.raises(ConfigError, match="--engine-dns and --spawn-engines exclude each other"):
+        load_config(["--engine-dns", "e:1", "--spawn-engines", "2"], environ={})
+    with pytest.raises(ConfigError, match="--model only applies with --spawn-engines"):
+        load_config(["--engine-dns", "e:1", "--model", "x"], environ={})
+
+
+def test_a_cluster_index_url_serves_every_redis_user():
+    """The stored Responses conversations live where the index does: a cluster URL opens a cluster client."""
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+
+    from gateway.response_store import make_response_store
+
+    cluster = make_response_store("redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001", 60)
+    single = make_response_store("redis://127.0.0.1:6379/13", 60)
+    assert isinstance(cluster._redis, RedisCluster) and isinstance(single._redis, Redis)
