@@ -176,7 +176,8 @@ class SimEngine:
             kv_usage=1 - (self.free + len(self.lru)) / m.num_kv_blocks, num_cached_blocks=len(self.refs),
             prefix_hit_rate=0.0, num_position_entries=0, num_preemptions=0,
             max_num_batched_tokens=m.max_num_batched_tokens, prefill_pack_tokens=m.max_num_batched_tokens,
-            max_num_seqs=m.max_num_seqs, total_busy_seconds=self.busy_s)
+            max_num_seqs=m.max_num_seqs, total_busy_seconds=self.busy_s,
+            kv_cache_dtype="bfloat16", kv_tokens_per_gib=8192)  # a Llama-3-8B-shaped bf16 pool
 
     def _allocate(self, blocks: int) -> bool:
         while self.free < blocks and self.lru:
