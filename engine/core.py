@@ -49,10 +49,16 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def context_limit(config: EngineConfig, model_config: ModelConfig) -> int:
+    """--max-model-len, capped by the model's context length."""
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
     busy_seconds: float = 0.0
+    computed_tokens: int = 0
 
 
 class Runner(Protocol):
@@ -117,9 +123,6 @@ class EngineCore:
         cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
         tokenizer_info: xgrammar.TokenizerInfo | None = None,
     ) -> EngineCore:
-        max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
         device, dtype = torch.device(config.device), resolve_dtype(config)
         if config.quantization == "fp8" and not is_fp8(model):
             quantize_fp8(model)
@@ -130,7 +133,8 @@ class EngineCore:
             log.info("kv_scales_calibrated", layers=amax.shape[0], k_amax_max=round(float(amax[:, 0].max()), 3),
                      v_amax_max=round(float(amax[:, 1].max()), 3))
         runner = ModelRunner(
-            model, model_config, device, dtype, config.block_size, config.max_num_seqs, max_model_len, kv_dtype,
+            model, model_config, device, dtype, config.block_size, config.max_num_seqs,
+            context_limit(config, model_config), kv_dtype,
         )
         return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 
@@ -257,6 +261,7 @@ class EngineCore:
                 self._retire(seq.request_id)
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
+        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         return frames
 
     def take_queue_times(self) -> list[float]:
@@ -336,6 +341,9 @@ class EngineCore:
             prefill_pack_tokens=self.scheduler.prefill_pack_tokens,
             max_num_seqs=self.config.max_num_seqs,
             total_busy_seconds=self.counters.busy_seconds,
+            num_waiting_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                   for s in (*self.scheduler.waiting, *self.scheduler.running)),
+            total_computed_tokens=self.counters.computed_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_tokens_per_gib=self.kv_tokens_per_gib,
         )

@@ -60,10 +60,11 @@ class EnginePool:
 
     def __init__(self, urls: Sequence[str], transport: httpx.AsyncBaseTransport,
                  metrics: GatewayMetrics | None = None, stats_timeout: float = 2.0,
-                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker, engine_token: str | None = None,
                  dns: tuple[str, int] | None = None, resolver: Resolver = resolve_addresses):
         self._transport = transport
         self._breaker = breaker
+        self._engine_token = engine_token
         self.replicas = [self._replica(url) for url in urls]
         self.metrics = metrics or GatewayMetrics()
         self.model: ModelInfo | None = None
@@ -74,7 +75,7 @@ class EnginePool:
         self._dns_error: str | None = None  # the resolver's last failure, logged once
 
     def _replica(self, url: str) -> Replica:
-        return Replica(url, EngineClient(url, self._transport), breaker=self._breaker())
+        return Replica(url, EngineClient(url, self._transport, self._engine_token), breaker=self._breaker())
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas if r.ready]

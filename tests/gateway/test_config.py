@@ -10,6 +10,7 @@ import pytest
 
 from engine.protocol import default_model_path
 from gateway.config import GatewayConfig, load_config
+from gateway.ratelimit import KeyLimits, KeyRing, tenant_id
 from gateway.settings import ConfigError
 
 ENGINE = ["--engine", "http://127.0.0.1:9001"]
@@ -37,12 +38,27 @@ def test_flags_and_env_with_flag_winning():
     assert config.shared_prefix_cache and config.trusted_proxies == ("10.0.0.0/8",)
 
 
-def test_api_key_file_adds_keys(tmp_path: Path):
+def test_api_key_file_adds_keys_with_their_limits(tmp_path: Path):
     keys = tmp_path / "keys"
-    keys.write_text("# ops keys\nsk-one\n\n  sk-two  \n")
-    config = load_config([*ENGINE, "--api-key", "sk-zero", "--api-key-file", str(keys)], environ={})
-    assert config.api_keys == ("sk-zero", "sk-one", "sk-two")
-    assert "sk-" not in repr(config) and config.summary()["api_keys"] == 3
+    keys.write_text("# ops keys\nsk-one\n\n  sk-two rps=2 tpm=600  \n")
+    config = load_config([*ENGINE, "--api-key", "sk-zero", "--api-key-file", str(keys), "--rate-limit-rps", "5"],
+                         environ={})
+    assert config.api_keys == ("sk-zero",) and config.api_key_file == str(keys)
+    assert "sk-" not in repr(config) and config.summary()["api_keys"] == 1
+    ring = KeyRing(config.api_keys, config.api_key_file, config.key_limits)
+    assert len(ring) == 3
+    assert ring.lookup("sk-one").limits == KeyLimits(5.0, None)  # the default limits
+    assert ring.lookup("sk-two").limits == KeyLimits(2.0, 600.0)
+    assert ring.lookup("sk-zero").tenant == tenant_id("sk-zero") and ring.lookup("sk-three") is None
+    keys.write_text("sk-one bogus=1\n")
+    with pytest.raises(ConfigError, match="line 1: unknown option 'bogus=1'"):
+        load_config([*ENGINE, "--api-key-file", str(keys)], environ={})
+
+
+def test_passwords_stay_out_of_the_summary():
+    config = load_config([*ENGINE, "--index-url", "redis://:s3cret@redis:6379/0"], environ={})
+    assert "s3cret" not in str(config.summary()) and config.summary()["index_url"] == "redis://:***@redis:6379/0"
+    assert config.rate_limit_url == "redis://:s3cret@redis:6379/0"  # the index's Redis by default
 
 
 def test_spawn_flags_pass_through():
