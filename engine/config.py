@@ -417,6 +417,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none" or self.kv_cache_dtype != "auto"):
+            raise ValueError("quantization and kv_cache_dtype are not supported with tensor_parallel_size > 1 yet")
         if self.quantization == "fp8" and self.device != "cpu" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), "
                              f"got {self.dtype!r}")

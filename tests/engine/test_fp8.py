@@ -193,3 +193,9 @@ def test_fp8_kv_on_a_hybrid_pool(gemma_tiny):  # noqa: F811 (the imported fixtur
     assert [t for t, _ in warm[0]] == [t for t, _ in cold[0]]
     assert core.kv.prefix_hit_rate > 0
     assert core.check_integrity().used == 0
+
+
+def test_fp8_refused_with_tensor_parallelism():
+    for settings in (dict(quantization="fp8"), dict(kv_cache_dtype="fp8_e4m3")):
+        with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+            EngineConfig(model="tiny", tensor_parallel_size=2, **settings)
