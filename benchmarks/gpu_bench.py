@@ -13,6 +13,10 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
               tok/s at batch 1 and 64 over 8K and 32K contexts, window layers reading only their window,
               against the same model with every layer global (one CUDA graph per case, the pages shared by
               every row so that batch 64 x 32K fits; both read the same bytes per key)
+  fp8         Llama-3-8B shape, our bf16 engine against FP8 weights (--quantization fp8) on the same
+              weights, then an FP8 KV cache (--kv-cache-dtype fp8_e4m3) against bf16 KV: batch-1 decode
+              tok/s (with the fraction of the FP8 byte roofline), one 8K-token prefill, 64 x 512 x 256
+              throughput; KV tokens per GiB; greedy agreement with the bf16 engine (20 random prompts)
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
@@ -20,6 +24,7 @@ HF peers run on the very tensors our model holds (benchmarks/hf_twin.py), after 
 is freed. Peers that would not fit in --budget-s are skipped with a line saying so.
 
     python3 benchmarks/gpu_bench.py [--budget-s 420] [--only ttft,decode_b1,...]
+    python3 benchmarks/gpu_bench.py --only fp8 --fp8-dry-run   # the fp8 section on the CPU, tiny
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.accuracy import agreement, generate
 from benchmarks.hf_twin import hf_twin
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, resolve_dtype
 from engine.logs import configure_logging
+from engine.models.fp8 import quantize_fp8
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.protocol import GenerateRequest, SamplingParams
@@ -51,13 +58,14 @@ from engine.warmup import warmup
 from kernels import load_ops
 from loadtest.stamp import emit
 
-SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "hybrid", "offline")
+SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "hybrid", "fp8", "offline")
 MODELS = ("llama3-8b", "smollm2-135m", "qwen3-8b")
 START = time.perf_counter()
 
 
 def sync_time() -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter()
 
 
@@ -650,6 +658,95 @@ def bench_model(name: str, settings: dict, sections: set[str], bandwidth: float,
     free_cuda()
 
 
+# --- FP8 weights and KV cache ------------------------------------------------------------------
+
+# The fp8 section's sizes; the dry run (CPU, tiny model) shrinks them.
+FP8_SIZES = dict(b1_prompt=128, b1_new=256, prefill=8190, cb_requests=64, cb_prompt=512, cb_new=256,
+                 agree_prompts=20, agree_prompt=256, agree_new=32)
+FP8_DRY_SIZES = dict(b1_prompt=16, b1_new=8, prefill=64, cb_requests=4, cb_prompt=16, cb_new=4,
+                     agree_prompts=3, agree_prompt=16, agree_new=4)
+
+
+def engine_on(model, model_config: ModelConfig, device: str, **settings) -> EngineCore:
+    """An engine (warmed up) over an already loaded model."""
+    config = EngineConfig(model=model_config.name, load_format="dummy", device=device, **settings)
+    core = EngineCore.from_model(config, model, model_config)
+    warmup(core)
+    return core
+
+
+def fp8_speeds(core: EngineCore, sizes: dict) -> dict:
+    """Batch-1 decode tok/s, one long prefill's seconds, and the 64-request throughput."""
+    z = sizes
+    run = Run(core, random_prompts(1, z["b1_prompt"], 7), [greedy(z["b1_new"])], "f8b1-")
+    decode = (z["b1_new"] - 1) / (run.last[run.ids[0]] - run.first[run.ids[0]])
+    prefill = statistics.median(
+        Run(core, random_prompts(1, z["prefill"], 800 + i), [greedy(1)], f"f8pf{i}-").first[f"f8pf{i}-0"]
+        for i in range(3)
+    )
+    cb = Run(core, random_prompts(z["cb_requests"], z["cb_prompt"], 64), [greedy(z["cb_new"])] * z["cb_requests"],
+             "f8cb-")
+    return dict(decode_b1_tok_s=decode, prefill_s=prefill, cont_batch_tok_s=cb.output_tokens / cb.seconds)
+
+
+def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda", sizes: dict = FP8_SIZES) -> None:
+    config = EngineConfig(model=name, load_format="dummy", device=device, **settings)
+    model, model_config = load_model(name, "dummy", device, resolve_dtype(config),
+                                     load_ops(config.resolved_kernel_backend))
+    shape = Shape(model_config)
+    z = sizes
+    prompts = random_prompts(z["agree_prompts"], z["agree_prompt"], 2000)
+    core = engine_on(model, model_config, device, **settings)
+    bf16 = fp8_speeds(core, sizes)
+    reference = generate(core, prompts, z["agree_new"])
+    bf16_kv = dict(tokens_per_gib=core.kv_tokens_per_gib, num_kv_blocks=core.kv.num_blocks)
+    del core
+    free_cuda()
+
+    core = engine_on(model, model_config, device, kv_cache_dtype="fp8_e4m3", **settings)
+    kv_agree = agreement(reference, generate(core, prompts, z["agree_new"]))
+    ratio = core.kv_tokens_per_gib / bf16_kv["tokens_per_gib"]
+    emit(bench="fp8_kv", model=name, peer="bf16 KV, same weights", kv_tokens_per_gib=core.kv_tokens_per_gib,
+         peer_kv_tokens_per_gib=bf16_kv["tokens_per_gib"], num_kv_blocks=core.kv.num_blocks,
+         peer_num_kv_blocks=bf16_kv["num_kv_blocks"], tokens_per_gib_ratio=round(ratio, 3),
+         prompts=len(prompts), new_tokens=z["agree_new"], **kv_agree.record(),
+         goal="2x KV tokens per GiB, >= 0.95 greedy agreement", met=ratio >= 2 and kv_agree.agreement >= 0.95)
+    del core
+    free_cuda()
+
+    quantize_fp8(model)
+    free_cuda()
+    core = engine_on(model, model_config, device, quantization="fp8", **settings)
+    fp8 = fp8_speeds(core, sizes)
+    weights_agree = agreement(reference, generate(core, prompts, z["agree_new"]))
+    del core
+    free_cuda()
+    # bytes a decode step reads: fp8 projections, the bf16 LM head, the KV at mid-generation
+    kv = (z["b1_prompt"] + z["b1_new"] // 2) * shape.kv_bytes_per_token
+    fp8_bytes = shape.layer_linear_params + 2 * shape.head_params + kv
+    floor_ms = fp8_bytes / bandwidth * 1e3
+    _, prefill_flops = shape.step([(0, z["prefill"], True)])
+    ratios = {k: fp8[k] / bf16[k] for k in ("decode_b1_tok_s", "cont_batch_tok_s")}
+    ratios["prefill"] = bf16["prefill_s"] / fp8["prefill_s"]
+    emit(bench="fp8_weights", model=name, section="decode_b1", peer="our bf16 engine, same weights",
+         fp8_tok_s=round(fp8["decode_b1_tok_s"], 1), bf16_tok_s=round(bf16["decode_b1_tok_s"], 1),
+         speedup=round(ratios["decode_b1_tok_s"], 3), fp8_bytes_per_token=fp8_bytes,
+         fp8_floor_ms_per_token=round(floor_ms, 3),
+         fraction_of_fp8_roofline=round(fp8["decode_b1_tok_s"] * floor_ms / 1e3, 3),
+         goal=">= 1.8x bf16 (and >= 0.85 of the FP8 byte roofline)", met=ratios["decode_b1_tok_s"] >= 1.8)
+    emit(bench="fp8_weights", model=name, section="prefill_8k", peer="our bf16 engine, same weights",
+         prompt_tokens=z["prefill"], fp8_s=round(fp8["prefill_s"], 4), bf16_s=round(bf16["prefill_s"], 4),
+         fp8_tflop_s_equivalent=round(prefill_flops / fp8["prefill_s"] / 1e12, 1),
+         bf16_tflop_s=round(prefill_flops / bf16["prefill_s"] / 1e12, 1), speedup=round(ratios["prefill"], 3),
+         goal=">= 1.4x bf16", met=ratios["prefill"] >= 1.4)
+    emit(bench="fp8_weights", model=name, section="cont_batch", peer="our bf16 engine, same weights",
+         requests=z["cb_requests"], prompt_tokens=z["cb_prompt"], output_tokens_each=z["cb_new"],
+         fp8_output_tok_s=round(fp8["cont_batch_tok_s"], 1), bf16_output_tok_s=round(bf16["cont_batch_tok_s"], 1),
+         speedup=round(ratios["cont_batch_tok_s"], 3), goal=">= 1.3x bf16", met=ratios["cont_batch_tok_s"] >= 1.3)
+    emit(bench="fp8_weights", model=name, section="accuracy", peer="bf16 weights (random, real-shaped)",
+         prompts=len(prompts), new_tokens=z["agree_new"], **weights_agree.record())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=420,
@@ -657,7 +754,14 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated subset of {','.join(MODELS)} for the engine sections")
+    parser.add_argument("--fp8-dry-run", action="store_true",
+                        help="run the fp8 section alone on the CPU with the tiny model and tiny sizes")
     args = parser.parse_args()
+    if args.fp8_dry_run:
+        configure_logging("WARNING")
+        bench_fp8("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), bandwidth=1e11, device="cpu",
+                  sizes=FP8_DRY_SIZES)
+        return
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device")
     sections = set(args.only.split(","))
@@ -679,6 +783,8 @@ def main() -> None:
     if "decode_b1" in sections and "qwen3-8b" in models and budget.allows("qwen3-8b", "ours", 40):
         guarded("qwen3-8b",
                 lambda: bench_model("qwen3-8b", {**engine, "max_model_len": 2048}, {"decode_b1"}, bandwidth, budget))
+    if "fp8" in sections and budget.allows("fp8", "ours", 150):
+        guarded("fp8", lambda: bench_fp8("llama3-8b", {**engine, "max_model_len": 8192}, bandwidth))
     if "hybrid" in sections and budget.allows("hybrid", "ours", 60):
         guarded("hybrid", lambda: bench_hybrid(budget))
     if "offline" in sections and budget.allows("offline", "ours", 50):

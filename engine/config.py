@@ -302,6 +302,8 @@ def dummy_config(spec: str) -> ModelConfig:
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # torch dtype names, besides auto
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the weights' dtype
+QUANTIZATIONS = ("none", "fp8")
 CPU_KV_CACHE_GB = 1.0
 # Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
 CPU_PREFILL_PACK_TOKENS = 256
@@ -341,6 +343,13 @@ class EngineConfig:
     # Built directly (tests, benchmarks) an engine runs on the CPU; on the command line CUDA when present.
     device: str = _flag("cpu", "cpu or cuda[:N] (default: cuda if available, else cpu)", cli_default=None)
     dtype: str = _flag("auto", "weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    kv_cache_dtype: str = _flag(
+        "auto", "KV cache dtype; auto = --dtype; fp8_e4m3 halves the KV bytes of bf16 (per-layer, per-kv-head "
+                "scales calibrated at load)", choices=KV_CACHE_DTYPES)
+    quantization: str = _flag(
+        "none", "weight quantization of the linear layers; fp8 = E4M3 weights with per-output-channel scales "
+                "(quantized at load, or read from an FP8 checkpoint) and per-token activation scales",
+        choices=QUANTIZATIONS)
     block_size: int = _flag(16, "tokens per KV block")
     max_num_seqs: int = _flag(64, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "token budget of one step; longer prompts are prefilled in chunks")
@@ -404,6 +413,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none" or self.kv_cache_dtype != "auto"):
+            raise ValueError("quantization and kv_cache_dtype are not supported with tensor_parallel_size > 1 yet")
+        if self.quantization == "fp8" and self.device != "cpu" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), "
+                             f"got {self.dtype!r}")
         if self.served_model_name is not None and (not self.served_model_name
                                                    or any(c.isspace() for c in self.served_model_name)):
             raise ValueError(f"served_model_name must be non-empty without whitespace, got {self.served_model_name!r}")

@@ -18,7 +18,9 @@ import torch
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
+from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
+from engine.models.fp8 import is_fp8, quantize_fp8
 from engine.protocol import (
     EngineStats,
     GenerateRequest,
@@ -80,6 +82,7 @@ class EngineCore:
         self.grammars = grammars
         self.model_config = model_config = runner.config
         self.device, self.dtype, self.max_model_len = runner.device, runner.dtype, runner.max_model_len
+        self.kv_dtype = kv_cache_dtype(config, self.dtype)
         num_blocks = self._num_kv_blocks()
         runner.allocate_kv_cache(num_blocks)
         layout = kv_layout(model_config)
@@ -100,12 +103,17 @@ class EngineCore:
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
+        # a token of context takes a page slot in every layer group
+        self.kv_tokens_per_gib = 2**30 * config.block_size // (per_block * len(layout.group_windows))
         log.info(
             "kv_cache_ready",
             num_blocks=num_blocks,
             block_size=config.block_size,
             kv_tokens=num_blocks * config.block_size,
-            kv_gib=round(num_blocks * kv_bytes_per_block(model_config, config.block_size, self.dtype) / 2**30, 3),
+            kv_gib=round(num_blocks * per_block / 2**30, 3),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_tokens_per_gib=self.kv_tokens_per_gib,
             max_model_len=self.max_model_len,
             kv_group_windows=list(layout.group_windows),  # a page holds a block of one group's layers
         )
@@ -115,9 +123,18 @@ class EngineCore:
         cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
         tokenizer_info: xgrammar.TokenizerInfo | None = None,
     ) -> EngineCore:
+        device, dtype = torch.device(config.device), resolve_dtype(config)
+        if config.quantization == "fp8" and not is_fp8(model):
+            quantize_fp8(model)
+            log.info("weights_quantized", quantization="fp8")
+        kv_dtype = kv_cache_dtype(config, dtype)
+        if kv_dtype == FP8_KV:
+            amax = calibrate_kv_scales(model, device, dtype)
+            log.info("kv_scales_calibrated", layers=amax.shape[0], k_amax_max=round(float(amax[:, 0].max()), 3),
+                     v_amax_max=round(float(amax[:, 1].max()), 3))
         runner = ModelRunner(
-            model, model_config, torch.device(config.device), resolve_dtype(config), config.block_size,
-            config.max_num_seqs, context_limit(config, model_config),
+            model, model_config, device, dtype, config.block_size, config.max_num_seqs,
+            context_limit(config, model_config), kv_dtype,
         )
         return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 
@@ -139,7 +156,7 @@ class EngineCore:
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype)
         if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
             return int((config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30 // per_block)
         profile = self.runner.profile_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
@@ -327,4 +344,6 @@ class EngineCore:
             num_waiting_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
                                    for s in (*self.scheduler.waiting, *self.scheduler.running)),
             total_computed_tokens=self.counters.computed_tokens,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_tokens_per_gib=self.kv_tokens_per_gib,
         )

@@ -52,11 +52,13 @@ class ModelRunner:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV pool's (fp8: see engine.kv_quant)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -71,7 +73,7 @@ class ModelRunner:
     def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         return [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+            tuple(torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in "kv")
             for _ in range(self.layout.group_size)
         ]
 
@@ -89,7 +91,8 @@ class ModelRunner:
         src, dst = torch.tensor(list(zip(*pairs)), dtype=torch.int64).to(self.device, non_blocking=True)
         for cache in self.kv_pages:
             for layer in cache:
-                layer.index_copy_(0, dst, layer.index_select(0, src))
+                raw = layer.view(torch.uint8) if layer.element_size() == 1 else layer  # no fp8 index_copy_
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     # --- memory profiling (CUDA) ---------------------------------------------------------------
     @torch.inference_mode()

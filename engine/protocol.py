@@ -267,6 +267,8 @@ class EngineStats:
     total_busy_seconds: float  # time spent in engine steps since start
     num_waiting_tokens: int  # prompt tokens not computed yet, of queued and of prefilling sequences
     total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
+    kv_cache_dtype: str  # --kv-cache-dtype as resolved: the KV pool's torch dtype name
+    kv_tokens_per_gib: int  # tokens of context one GiB of the KV pool holds (all layers)
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}

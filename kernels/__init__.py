@@ -9,6 +9,10 @@ Layouts (shared by every implementation):
 - KV cache per layer: ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
   head_dim]``; ``block_tables[i, j]`` is the physical block of the sequence's ``j``-th logical
   block; ``slot_mapping[t] = block * block_size + offset`` is where token row ``t`` is stored.
+- an fp8 (``float8_e4m3fn``) KV cache holds ``x / scale`` per kv head, rounded to nearest and
+  saturated at ±448: ``k_scale``/``v_scale`` ``[num_kv_heads]`` fp32 (required by an fp8 cache,
+  ignored by any other) are passed to every op that reads or writes the cache, which reads
+  ``stored * scale``. Attention over an fp8 cache reads every key, the new ones included, as stored.
 
 The Triton ops raise ``ValueError`` naming the argument on a shape, dtype, stride or device they
 cannot take; the reference ops assume valid inputs.
@@ -33,6 +37,8 @@ class KernelOps(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: padding, not stored
+        k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: an fp8 cache's scales
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Write each token's K/V into its paged slot (in place), in the cache's dtype. Slots
         must lie inside the cache."""
@@ -51,6 +57,8 @@ class KernelOps(Protocol):
         key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], as stored by store_kv
         value: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its whole paged context, or with
         ``sliding_window`` W over its last W positions only: a query at position p sees keys
@@ -81,6 +89,8 @@ class KernelOps(Protocol):
         scale: float,
         seq_lens_cpu: list[int] | None = None,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A decode-only step's attention, from the new tokens' projections to the output
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype: row ``i`` is sequence ``i``'s one new
@@ -123,8 +133,15 @@ class KernelOps(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``."""
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``.
+
+        With ``weight_scale [out_features]`` fp32, ``weight`` is fp8 (E4M3) holding ``w / scale`` per
+        output channel, and each row of ``x`` is quantized to fp8 over its own scale (absolute
+        maximum / 448): the product of the fp8 values, accumulated in fp32, times both scales,
+        returned in ``x``'s dtype."""
 
     def norm_linear(
         self,
@@ -134,6 +151,7 @@ class KernelOps(Protocol):
         residual: torch.Tensor | None,
         weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * out_features, hidden] (gate, then up)
         gated: bool = False,
+        weight_scale: torch.Tensor | None = None,  # [out_features] (gated: [2 * out_features]), fp8 weight
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
         silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""

@@ -11,19 +11,37 @@ import torch.nn.functional as F
 # 8-64 sequences of 100-300 tokens, but 2-7x as slow from 16K padded keys on (4 x 8K, 16 x 1K,
 # 64 x 200), where sdpa leaves its fused kernel.
 BATCHED_DECODE_MAX_KEYS = 8192
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x [tokens, kv_heads, dim]`` as ``cache`` stores it: an fp8 cache holds ``x / scale``,
+    saturated (E4M3 has no infinity), as raw bytes (CPU index_copy_ takes no fp8)."""
+    if cache.dtype != FP8:
+        return x.to(cache.dtype)
+    return (x.float() / scale[:, None]).clamp(-_FP8_MAX, _FP8_MAX).to(FP8).view(torch.uint8)
+
+
+def _from_cache(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``[..., kv_heads, dim]`` as values of ``dtype`` (an fp8 cache's times its scale)."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * scale[:, None]).to(dtype)
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_shape = (num_blocks * block_size, *k_cache.shape[2:])
-    k_cache.view(flat_shape).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(flat_shape).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = _to_cache(x, cache, scale)
+        cache.view(rows.dtype).view(flat_shape).index_copy_(0, slot_mapping, rows)
 
 
 def paged_attention(
@@ -31,9 +49,10 @@ def paged_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``key``/``value`` go unread: the cache, holding the same values, serves. With a window,
-    only the blocks holding keys some query sees are read."""
+    """``key``/``value`` go unread: the cache, holding the same values (or, fp8, the values a
+    later step reads), serves. With a window, only the blocks holding keys some query sees are read."""
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
@@ -41,7 +60,8 @@ def paged_attention(
     decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     if len(decodes) > 1 and len(decodes) * max(lens[i] for i in decodes) <= BATCHED_DECODE_MAX_KEYS:
         # one padded, masked sdpa call for all single-token sequences
-        _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, decodes, scale, out, sliding_window)
+        _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, decodes, scale, out, sliding_window,
+                        k_scale, v_scale)
         decoded = set(decodes)
     else:
         decoded = set()
@@ -59,8 +79,9 @@ def paged_attention(
         num_keys = ctx_len - first_key
         # [1, heads, tokens, dim]: 4-D inputs and enable_gqa (no repeated kv heads) let sdpa pick
         # its fused CPU kernel; 3-D inputs fall back to the unfused math path.
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].transpose(0, 1)[None].to(q.dtype)
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].transpose(0, 1)[None].to(q.dtype)
+        k = _from_cache(k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys], k_scale, q.dtype)
+        v = _from_cache(v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys], v_scale, q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         qi = q[q_start:q_end].transpose(0, 1)[None]
         if sliding_window and first_key + sliding_window < ctx_len:  # some query misses some key
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
@@ -106,7 +127,9 @@ def _chunked_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return merged.to(q.dtype)
 
 
-def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out, sliding_window) -> None:
+def _batched_decode(
+    q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out, sliding_window, k_scale, v_scale,
+) -> None:
     block_size = k_cache.shape[1]
     ctx = [lens[i] for i in rows]
     # each row's keys from the block holding its first visible one (block 0 without a window)
@@ -122,8 +145,8 @@ def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale
     # [B, kv_heads, keys, dim], padded past each sequence's length and masked out
     # (index_select: several times faster than advanced indexing on CPU)
     shape = (len(rows), num_blocks * block_size, *k_cache.shape[2:])
-    k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
-    v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
+    k = _from_cache(k_cache.index_select(0, blocks).view(shape), k_scale, q.dtype).transpose(1, 2)
+    v = _from_cache(v_cache.index_select(0, blocks).view(shape), v_scale, q.dtype).transpose(1, 2)
     lengths = torch.tensor(ctx, device=dev)[:, None]
     key_pos = first_block[:, None] * block_size + torch.arange(num_blocks * block_size, device=dev)[None, :]
     mask = key_pos < lengths
@@ -141,14 +164,15 @@ def decode_attention(
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_seqs = q.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
     return paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        seq_lens_cpu, list(range(num_seqs + 1)), sliding_window=sliding_window,
+        seq_lens_cpu, list(range(num_seqs + 1)), sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -192,16 +216,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x [rows, k]`` as fp8 over its own scale (its absolute maximum / 448, rounded
+    to nearest): ``(x_fp8, scale [rows, 1] fp32)``. An all-zero row gets scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _FP8_MAX, 1.0)
+    return (xf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    if weight_scale is None:
+        return F.linear(x, weight)
+    # fp8 weights: the rows of x quantized too, one fp32 product of the fp8 values, both scales after
+    x_fp8, x_scale = quantize_rows(x)
+    out = F.linear(x_fp8.float(), weight.float()) * x_scale * weight_scale
+    return out.to(x.dtype)
 
 
 def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-    weight: torch.Tensor, gated: bool = False,
+    weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     normed, residual = rms_norm(x, norm_weight, eps, residual)
-    out = linear(normed, weight)
+    out = linear(normed, weight, weight_scale)
     return (silu_and_mul(out) if gated else out), residual
 
 

@@ -180,7 +180,8 @@ class SimEngine:
             max_num_seqs=m.max_num_seqs, total_busy_seconds=self.busy_s,
             num_waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting)
             + sum(r.prefill_left for r in self.running),
-            total_computed_tokens=self.computed_tokens)
+            total_computed_tokens=self.computed_tokens,
+            kv_cache_dtype="bfloat16", kv_tokens_per_gib=8192)  # a Llama-3-8B-shaped bf16 pool
 
     def _allocate(self, blocks: int) -> bool:
         while self.free < blocks and self.lru:

@@ -87,6 +87,10 @@ class Attention(nn.Module):
         # qkv_proj is applied by the input norm (RMSNorm.linear)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, ops, factory)
         self.o_proj = Linear(self.q_size, config.hidden_size, ops, factory)
+        # An fp8 KV cache's per-kv-head scales (calibrated by engine.kv_quant); other caches ignore them.
+        for name in ("k_scale", "v_scale"):
+            scale = torch.ones(config.num_kv_heads, dtype=torch.float32, device=factory["device"])
+            self.register_buffer(name, scale, persistent=False)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[tokens, q + 2 kv]`` -> q ``[tokens, heads, head_dim]``, k and v ``[tokens, kv_heads, head_dim]``
@@ -116,14 +120,16 @@ class Attention(nn.Module):
             out = self.ops.decode_attention(
                 positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping,
                 attn.block_tables, attn.seq_lens, self.scale, attn.seq_lens_cpu, sliding_window=window,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         else:
             q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
-            self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
             # the new chunks' keys and values are read from k and v (contiguous rows), the prefix from pages
             out = self.ops.paged_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
                 self.scale, attn.seq_lens_cpu, attn.query_start_loc_cpu, key=k, value=v, sliding_window=window,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -218,9 +224,13 @@ class CausalLM(nn.Module):
         for name, _ in self.named_parameters():
             prefix, _, suffix = name.partition(".layers.")
             layer, _, local = suffix.partition(".")
+            module, _, attr = local.rpartition(".")
             if local in fused:
                 for part, rows in fused[local].items():
                     layout[f"{prefix}.layers.{layer}.{part}"] = (name, rows)
+            elif f"{module}.weight" in fused:  # a tensor that goes with a fused weight row by row (fp8 scales)
+                for part, rows in fused[f"{module}.weight"].items():
+                    layout[f"{prefix}.layers.{layer}.{part.removesuffix('.weight')}.{attr}"] = (name, rows)
             else:
                 layout[name] = (name, slice(None))
         return layout

@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling, dummy_config
-from engine.models import build_model
+from engine.models import build_model, fp8
 from engine.models.layers import CausalLM
 from engine.protocol import LOAD_FORMATS
 from kernels import KernelOps
@@ -82,6 +82,8 @@ def load_model(
 
     ``load_format``: ``gguf`` (llama.cpp file, dequantized), ``hf`` (config.json + *.safetensors),
     ``dummy`` (a DUMMY_CONFIGS name or JSON config; seeded random weights) or ``auto`` (by path).
+    A Hugging Face checkpoint quantized to fp8 (``quantization_config.quant_method`` "fp8") loads
+    as it is stored (see ``engine.models.fp8``).
     """
     start = time.perf_counter()
     if load_format not in LOAD_FORMATS:
@@ -361,7 +363,14 @@ def _load_hf(
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
     net = build_model(config, ops, device, dtype)
-    _fill(net, _hf_weights(files), path)
+    weights = _hf_weights(files)
+    quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") == fp8.QUANT_METHOD:
+        if quantization.get("weight_block_size"):
+            raise ModelLoadError(f"{path}: block-wise fp8 scales (weight_block_size) are not supported")
+        weights = fp8.fp8_checkpoint_weights(fp8.prepare_fp8(net), weights)
+        log.info("fp8_checkpoint", activation_scheme=quantization.get("activation_scheme"))
+    _fill(net, weights, path)
     return net, config
 
 

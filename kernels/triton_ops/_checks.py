@@ -9,6 +9,7 @@ import triton
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KV_DTYPES = (*_FLOAT_DTYPES, torch.float8_e4m3fn)  # fp8 pages hold x / scale (see kernels.KernelOps)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_DIM = 256
 
@@ -63,8 +64,8 @@ def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
-    _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("k_cache", k_cache, 4, _KV_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, _KV_DTYPES)
     _check(
         k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
         f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
@@ -73,3 +74,20 @@ def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check(k_cache.dtype == v_cache.dtype, f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     _check_last_dim_contiguous("k_cache", k_cache)
     _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, f"head_dim must be <= {_MAX_HEAD_DIM}, got {k_cache.shape[-1]}")
+
+
+def _kv_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The per-kv-head scales an fp8 cache needs (checked), or ``(None, None)`` for a cache
+    that holds values as they are (its kernels then compile without them)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return None, None
+    num_kv_heads = k_cache.shape[2]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(t is not None, f"an fp8 KV cache needs {name}")
+        _check_tensor(name, t, 1, (torch.float32,))
+        _check(tuple(t.shape) == (num_kv_heads,), f"{name} must have shape ({num_kv_heads},), got {tuple(t.shape)}")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check_devices(k_cache=k_cache, k_scale=k_scale, v_scale=v_scale)
+    return k_scale, v_scale

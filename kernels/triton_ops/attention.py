@@ -21,6 +21,7 @@ from kernels.triton_ops._checks import (
     _check_kv_cache,
     _check_last_dim_contiguous,
     _check_tensor,
+    _kv_scales,
 )
 from kernels.triton_ops._launch import _DECODE_PROGRAMS_PER_SM, _num_sms
 
@@ -108,6 +109,22 @@ def _attend_new_tile(
 
 
 @triton.jit
+def _key_scaled(scale_log2, k_scale_ptr, kv_head):
+    """The scores' scale for one kv head: an fp8 cache's K scale folds into it (one multiply)."""
+    if k_scale_ptr is not None:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    return scale_log2
+
+
+@triton.jit
+def _value_scaled(out, v_scale_ptr, kv_head):
+    """An output of one kv head's fp8 values, scaled once instead of each value."""
+    if v_scale_ptr is not None:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    return out
+
+
+@triton.jit
 def _window_start(seq_len, window):
     """The first key a context of ``seq_len``'s last position sees (window 0: none)."""
     return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -124,7 +141,7 @@ def _split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
 # the window).
 @triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, scale_log2, num_splits, window,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
@@ -164,6 +181,7 @@ def _decode_attention_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    scale_log2 = _key_scaled(scale_log2, k_scale_ptr, kv_head)
     for tile_start in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, tile_start, end, kv_head, block_table_row,
@@ -171,7 +189,7 @@ def _decode_attention_kernel(
             HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "causal", DOT_DTYPE, DOT_PRECISION,
         )
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _value_scaled(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], v_scale_ptr, kv_head)
     if SPLIT:
         partial = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(partial_lse_ptr + partial, m_i + tl.log2(l_i), mask=g < GROUP)
@@ -220,8 +238,8 @@ def _decode_reduce_kernel(
 
 @triton.jit(do_not_specialize=["block_tables_stride", "window"])
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    key_desc, value_desc, scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, key_desc, value_desc, scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_Q_LEN: tl.constexpr, SLIDING: tl.constexpr,
@@ -253,6 +271,7 @@ def _prefill_attention_kernel(
     q = q.to(DOT_DTYPE)
     q_pos = prefix_len + rows
     kv_head = head // GROUP
+    scale_log2 = _key_scaled(scale_log2, k_scale_ptr, kv_head)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
@@ -267,7 +286,7 @@ def _prefill_attention_kernel(
                 k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
                 HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "window", DOT_DTYPE, DOT_PRECISION, kv_start, window,
             )
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = _value_scaled(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], v_scale_ptr, kv_head)
         out_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
         return
@@ -311,7 +330,7 @@ def _prefill_attention_kernel(
                 k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
                 HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "causal", DOT_DTYPE, DOT_PRECISION,
             )
-    out = acc / l_i[:, None]
+    out = _value_scaled(acc / l_i[:, None], v_scale_ptr, kv_head)
     out_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -495,6 +514,7 @@ def _check_paged_inputs(
 def _launch_split_k_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, window: int,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> None:
     """The decode kernel over the single-token sequences and, where it splits their keys, the
     reduce kernel that merges the splits."""
@@ -511,7 +531,7 @@ def _launch_split_k_decode(
         partial_out, partial_lse = _split_partials(num_seqs, num_heads, num_splits, head_dim, q.device)
     group = num_heads // num_kv_heads
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         out, partial_out, partial_lse, scale * _LOG2E, num_splits, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group),
@@ -532,6 +552,7 @@ def _launch_split_k_decode(
 def _launch_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, window: int,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
     key: torch.Tensor | None, value: torch.Tensor | None, max_q_len: int, min_q_len: int,
 ) -> None:
     """The prefill kernel over the sequences of at least ``min_q_len`` new tokens."""
@@ -542,7 +563,7 @@ def _launch_prefill(
     # A window tile reads every key through the block table (see _prefill_attention_kernel).
     key_desc, value_desc = (None, None) if window else _new_rows_descriptors(key, value, tiles.block_n, head_dim_pad)
     _prefill_attention_kernel[(num_heads, triton.cdiv(max_q_len, tiles.block_m), seq_lens.shape[0])](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, key_desc, value_desc,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale, out, key_desc, value_desc,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, block_tables), window,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
@@ -557,12 +578,17 @@ def paged_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-token sequences go to the split-K decode kernel, longer ones to the prefill
     kernel (both launch for a mixed batch). With ``key``/``value`` the prefill kernel reads each
     chunk's own keys from them by TMA (no block-table lookups) where their layout allows it
-    (see ``_new_rows_descriptors``), else from the cache. The window is a runtime argument: no
+    (see ``_new_rows_descriptors``), else from the cache; an fp8 cache's chunks are always read
+    from the cache, quantized as a later step reads them. The window is a runtime argument: no
     window size compiles a new variant (only window or none does)."""
+    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
+    if k_scale is not None:
+        key = value = None
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, key, value)
     _check_window(sliding_window)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -578,7 +604,8 @@ def paged_attention(
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     _check(starts[-1] <= num_tokens, f"query_start_loc ends at {starts[-1]} past q's {num_tokens} tokens")
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window or 0)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window or 0,
+            k_scale, v_scale)
     has_decode = 1 in q_lens
     if has_decode:
         _launch_split_k_decode(*args)

@@ -15,6 +15,7 @@ from kernels.triton_ops._checks import (
     _check_kv_cache,
     _check_last_dim_contiguous,
     _check_tensor,
+    _kv_scales,
 )
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
 from kernels.triton_ops.attention import (
@@ -26,13 +27,16 @@ from kernels.triton_ops.attention import (
     _check_window,
     _dot_args,
     _dot_pad,
+    _key_scaled,
     _split_partials,
     _split_tokens,
+    _value_scaled,
     _window_start,
     attention_tiles,
     decode_num_splits,
     fused_decode_kind,
 )
+from kernels.triton_ops.kv_store import _to_cache
 
 # The last program merges the partials one by one: its keys go to at most this many splits
 # (fastest on the H200 at 512 and 2K tokens), more only past this many keys a split.
@@ -65,8 +69,8 @@ def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
 @triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
 def _fused_decode_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
-    scale_log2, num_splits, window,
+    block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+    counters_ptr, scale_log2, num_splits, window,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -122,6 +126,7 @@ def _fused_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    scale_log2 = _key_scaled(scale_log2, k_scale_ptr, kv_head)
     full_end = start + (paged_end - start) // BLOCK_N * BLOCK_N
     for tile_start in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -140,8 +145,13 @@ def _fused_decode_kernel(
         v_row = v_ptr + seq.to(tl.int64) * v_stride_t + kv_head * v_stride_h
         # Rounded as rotary_embedding returns k, then as store_kv writes k and v.
         k_new = _load_rotated(k_row, d, rot_d, d_ok, cos, signed_sin).to(k_ptr.dtype.element_ty)
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(v_row + d, mask=d_ok, other=0.0).to(v_cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_row + d, mask=d_ok, other=0.0)
+        if k_scale_ptr is not None:
+            k_new = _to_cache(k_new, tl.load(k_scale_ptr + kv_head), k_cache_ptr)
+            v_new = _to_cache(v_new, tl.load(v_scale_ptr + kv_head), v_cache_ptr)
+        else:
+            k_new = _to_cache(k_new, None, k_cache_ptr)
+            v_new = _to_cache(v_new, None, v_cache_ptr)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s
@@ -154,7 +164,7 @@ def _fused_decode_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _value_scaled(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], v_scale_ptr, kv_head)
     out_ptrs = out_ptr + seq.to(tl.int64) * out_stride_t + head[:, None] * out_stride_h + d[None, :]
     if SPLIT:
         if num_active > 1:
@@ -235,6 +245,7 @@ def decode_attention(
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One kernel launch. The split-K count follows the block table's width, as
     paged_attention's; the splits are merged by the last of them to finish, not by a second
@@ -244,6 +255,7 @@ def decode_attention(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
     )
     _check_window(sliding_window)
+    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     capacity = block_tables.shape[1] * block_size
@@ -262,7 +274,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     _fused_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits, sliding_window or 0,
+        k_scale, v_scale, out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group),

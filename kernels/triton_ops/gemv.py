@@ -18,6 +18,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
 )
 from kernels.triton_ops._launch import _pdl_args
+from kernels.triton_ops.fp8 import row_scale, scaled_linear, to_fp8
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
 # One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
@@ -62,7 +63,7 @@ def _gemv_x_tile(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr,
     n_out, k_in, eps, x_stride, residual_stride, w_stride, out_stride,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -72,7 +73,9 @@ def _gemv_kernel(
     ``n_out + cols`` and writes ``silu(gate) * up``. With a residual, the row's program whose
     turn it is writes each ``BLOCK_K`` slice of ``x + residual`` to ``residual_out``. The first
     weight tiles are loaded before waiting on the previous kernel: they do not depend on it.
-    The rows of a batch stream the same weights at once: the second row on finds them in L2."""
+    The rows of a batch stream the same weights at once: the second row on finds them in L2.
+    With ``w_scale_ptr`` (fp8 weights, per-row scales) the row ``f(x[row])`` is quantized to fp8
+    over its own scale (one more pass over it), as ``linear`` with fp8 weights does."""
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,6 +105,14 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sum_sq += xf * xf
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
+    x_scale = 1.0
+    if w_scale_ptr is not None:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, k_in, BLOCK_K):
+            k = k_start + kk
+            x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k < k_in, rstd, HAS_NORM, HAS_RESIDUAL)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        x_scale = row_scale(tl.max(amax, 0))
 
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -114,6 +125,8 @@ def _gemv_kernel(
             if GATED:
                 up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, HAS_NORM, HAS_RESIDUAL)
+        if w_scale_ptr is not None:
+            x = to_fp8(x, x_scale)
         x = x.to(tl.float32)[None, :]
         acc += w.to(tl.float32) * x
         if GATED:
@@ -122,16 +135,23 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     # Rounded to the activation dtype, as the product's output, before SiLU-and-mul.
-    y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
+    y = tl.sum(acc, 1)
+    if w_scale_ptr is not None:
+        y = y * x_scale * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)
+    y = y.to(out_ptr.dtype.element_ty)
     if GATED:
         gate = y.to(tl.float32)
-        up_out = tl.sum(acc_up, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        up_out = tl.sum(acc_up, 1)
+        if w_scale_ptr is not None:
+            up_out = up_out * x_scale * tl.load(w_scale_ptr + n_out + n, mask=n_ok, other=0.0)
+        up_out = up_out.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate)) * up_out).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + n, y, mask=n_ok)
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.dim() != 2 or x.dtype != weight.dtype or not (x.is_cuda or _INTERPRETED):
+    same_dtype = x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn
+    if x.dim() != 2 or not same_dtype or not (x.is_cuda or _INTERPRETED):
         return False
     rows = x.shape[0]
     return rows == 1 or (
@@ -139,9 +159,15 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
     _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
-    _check_tensor("weight", weight, 2, _FLOAT_DTYPES)
+    if weight_scale is None:
+        _check_tensor("weight", weight, 2, _FLOAT_DTYPES)
+    else:
+        _check_tensor("weight", weight, 2, (torch.float8_e4m3fn,))
+        _check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
+        _check(weight_scale.shape[0] == weight.shape[0] and weight_scale.is_contiguous(),
+               f"weight_scale must be contiguous of shape ({weight.shape[0]},), got {tuple(weight_scale.shape)}")
     _check(
         x.dim() >= 1 and x.shape[-1] == weight.shape[1],
         f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal weight's in_features ({weight.shape[1]})",
@@ -150,12 +176,13 @@ def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, n_out: int, *, residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, n_out: int, *,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
-    _check_devices(x=x, weight=weight)
+    _check_devices(x=x, weight=weight, **({} if weight_scale is None else {"weight_scale": weight_scale}))
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     residual_out = x
     if residual is not None:
@@ -165,7 +192,7 @@ def _launch_gemv(
     grid = (triton.cdiv(n_out, GEMV_TILES.block_n), rows)
     _gemv_kernel[grid](
         x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
-        weight, out, residual_out, n_out, k_in, eps,
+        weight, weight_scale, out, residual_out, n_out, k_in, eps,
         x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
         BLOCK_N=GEMV_TILES.block_n, BLOCK_K=GEMV_TILES.block_k, **_pdl_args(x.device),
@@ -174,26 +201,33 @@ def _launch_gemv(
     return out, residual_out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2) by the GEMV
-    kernel, others by cuBLAS."""
-    _check_gemv_weight(x, weight)
-    if not _use_gemv(x, weight):
+def _batch_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    if weight_scale is None:
         return torch.nn.functional.linear(x, weight)
-    return _launch_gemv(x, weight, weight.shape[0])[0]
+    return scaled_linear(x, weight, weight_scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2) by the GEMV
+    kernel, others by cuBLAS (fp8 weights: ``torch._scaled_mm``)."""
+    _check_gemv_weight(x, weight, weight_scale)
+    if not _use_gemv(x, weight):
+        return _batch_linear(x, weight, weight_scale)
+    return _launch_gemv(x, weight, weight_scale, weight.shape[0])[0]
 
 
 def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-    weight: torch.Tensor, gated: bool = False,
+    weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode batches take one GEMV launch for all of it."""
-    _check_gemv_weight(x, weight)
+    _check_gemv_weight(x, weight, weight_scale)
     _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
         normed, residual = rms_norm(x, norm_weight, eps, residual)
-        out = torch.nn.functional.linear(normed, weight)
+        out = _batch_linear(normed, weight, weight_scale)
         return (silu_and_mul(out) if gated else out), residual
     _check_norm_inputs(x, norm_weight, residual, "norm_weight")
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
+    return _launch_gemv(x, weight, weight_scale, n_out, residual=residual, norm_weight=norm_weight, eps=eps,
+                        gated=gated)

@@ -1,0 +1,125 @@
+"""Greedy agreement of an engine variant (FP8 KV cache, FP8 weights) with its unquantized peer,
+the same weights in both.
+
+Both engines generate greedily from the same prompts, with logprobs. Per prompt, the tokens agree
+up to the first divergence; ``agreement`` is the agreed tokens over all generated tokens (a
+divergence costs every token after it). ``mean_abs_dlogprob`` is the mean |Δ logprob| of the
+peer's token over the agreed positions (same context on both sides).
+
+On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant:
+
+    python benchmarks/accuracy.py [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.core import EngineCore
+from engine.protocol import GenerateRequest, SamplingParams
+
+# 20 chat prompts (texts and ids: SmolLM2's chat template, tokenized by the GGUF's own tokenizer)
+PROMPTS_FILE = Path(__file__).with_name("smollm2_prompts.json")
+
+
+def smollm2_prompts() -> list[list[int]]:
+    return json.loads(PROMPTS_FILE.read_text())["prompt_ids"]
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    agreed_tokens: int
+    total_tokens: int
+    mean_abs_dlogprob: float
+    max_abs_dlogprob: float
+    prompts_fully_agreed: int
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed_tokens / self.total_tokens
+
+    def record(self) -> dict:
+        return dict(agreement=round(self.agreement, 4), agreed_tokens=self.agreed_tokens,
+                    total_tokens=self.total_tokens, mean_abs_dlogprob=round(self.mean_abs_dlogprob, 5),
+                    max_abs_dlogprob=round(self.max_abs_dlogprob, 5), prompts_fully_agreed=self.prompts_fully_agreed)
+
+
+def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    """Greedy ``(token, logprob)`` lists, every prompt submitted at once (they batch)."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    out: dict[str, list[tuple[int, float]]] = {f"acc{i}": [] for i in range(len(prompts))}
+    for rid, prompt in zip(out, prompts):
+        core.add_request(GenerateRequest(rid, prompt, sampling))
+    while core.has_work():
+        for frame in core.step():
+            out[frame.request_id] += [(t, lp.logprob) for t, lp in zip(frame.token_ids, frame.logprobs or [])]
+    return list(out.values())
+
+
+def agreement(
+    reference: list[list[tuple[int, float]]], tested: list[list[tuple[int, float]]]
+) -> Agreement:
+    """Compare ``generate``'s outputs of the peer (``reference``) and of a variant."""
+    agreed, deltas, full = 0, [], 0
+    for ref, got in zip(reference, tested, strict=True):
+        n = 0
+        while n < len(ref) and ref[n][0] == got[n][0]:
+            deltas.append(abs(ref[n][1] - got[n][1]))
+            n += 1
+        agreed += n
+        full += n == len(ref)
+    total = sum(map(len, reference))
+    return Agreement(agreed, total, sum(deltas) / max(len(deltas), 1), max(deltas, default=0.0), full)
+
+
+def set_kv_scales(model: torch.nn.Module, value: float) -> None:
+    """One static scale for every head (vLLM's default is 1.0): the alternative to calibration."""
+    for name, buffer in model.named_buffers():
+        if name.endswith(("k_scale", "v_scale")):
+            buffer.fill_(value)
+
+
+def main() -> None:
+    from engine.config import EngineConfig
+    from engine.models.loader import load_model
+    from engine.protocol import default_model_path
+    from kernels import load_ops
+    from loadtest.stamp import emit
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    prompts = smollm2_prompts()
+    path = str(default_model_path())
+
+    def core(**settings) -> EngineCore:
+        model, config = load_model(path, "gguf", "cpu", torch.float32, load_ops("torch"))
+        return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
+
+    reference = generate(core(), prompts, args.max_tokens)
+    variants = {
+        "fp8_kv": dict(kv_cache_dtype="fp8_e4m3"),
+        "fp8_kv_scale_1": dict(kv_cache_dtype="fp8_e4m3"),
+        "fp8_weights": dict(quantization="fp8"),
+        "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+    }
+    for name, settings in variants.items():
+        candidate = core(**settings)
+        if name == "fp8_kv_scale_1":
+            set_kv_scales(candidate.runner.model, 1.0)
+        emit(bench="accuracy", device="cpu", model="smollm2-135m", variant=name, peer="fp32",
+             prompts=len(prompts), max_tokens=args.max_tokens,
+             **agreement(reference, generate(candidate, prompts, args.max_tokens)).record())
+
+if __name__ == "__main__":
+    main()
