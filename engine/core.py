@@ -29,6 +29,7 @@ from engine.protocol import (
 )
 from engine.request import Sequence, Status
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from engine.spec_decode import NgramProposer
 from engine.structured import NO_VOCABULARY, Grammars, new_matcher
 from kernels import load_ops
 from prefix_index.events import KVEvent
@@ -79,9 +80,12 @@ class EngineCore:
             num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
             max_entries=int(num_blocks * config.max_entries_fraction),
         )
+        self.proposer = None if config.speculative is None else NgramProposer(
+            config.num_speculative_tokens, config.ngram_min, config.ngram_max
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
-            eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len,
+            eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len, proposer=self.proposer,
         )
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
@@ -278,6 +282,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.proposer.stats if self.proposer is not None else None
         return EngineStats(
             model=self.config.served_name,
             replica_id=self.config.replica_id,
@@ -296,4 +301,8 @@ class EngineCore:
             prefill_pack_tokens=self.scheduler.prefill_pack_tokens,
             max_num_seqs=self.config.max_num_seqs,
             total_busy_seconds=self.counters.busy_seconds,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_num_accepted_tokens_per_pos=list(spec.accepted_per_pos) if spec else [],
         )

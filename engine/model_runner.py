@@ -15,6 +15,7 @@ from engine.protocol import SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, ScheduledSeq
+from engine.spec_decode import verify
 
 
 class MemoryProfile(NamedTuple):
@@ -156,6 +157,9 @@ class ModelRunner:
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
+            if any(seq.draft_ids for seq in sampling_seqs):
+                verified = verify(self.sampler, logits, sampling_seqs)
+                return [SampledToken(seq, t.token_id, t.logprob) for seq, ts in zip(sampling_seqs, verified) for t in ts]
         out = self.sampler(logits, sampling_seqs)
         return [
             SampledToken(seq, tok, lp)
@@ -180,8 +184,8 @@ class ModelRunner:
 
     def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
-        the rows to sample (the last token of each sequence that is now fully computed) and
-        their sequences."""
+        the rows to sample (the last token of each sequence that is now fully computed, and each
+        of its draft tokens) and their sequences."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -193,14 +197,16 @@ class ModelRunner:
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
-            input_ids.extend(seq.all_token_ids[start:end])
+            drafts = seq.draft_ids  # scheduled whole after the sequence's last token
+            input_ids.extend(seq.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             block_ids = seq.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + num_new)
-            if end == seq.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+            if end == seq.num_tokens + len(drafts):
+                sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
                 sampling_seqs.append(seq)
 
         block_tables = np.zeros((len(scheduled), max(len(seq.block_ids) for seq, _ in scheduled)), dtype=np.int32)

@@ -13,6 +13,8 @@ from prefix_index.hashing import BlockHash, block_hashes
 if TYPE_CHECKING:
     import xgrammar
 
+    from engine.spec_decode import NgramIndex
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -29,13 +31,17 @@ class Sequence:
 
     A constrained sequence (``sampling.structured``) has a grammar ``matcher`` that has accepted
     exactly ``output_ids``; the scheduler drops it when the sequence finishes.
+
+    With speculative decoding, ``draft_ids`` are the proposed tokens a step verifies after
+    ``all_token_ids`` (scheduled as extra new tokens; empty between steps) and ``ngram`` is the
+    proposer's index of this sequence's tokens. Only committed tokens ever enter ``all_token_ids``.
     """
 
     __slots__ = (
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs", "num_sent_tokens",
-        "matcher",
+        "matcher", "draft_ids", "ngram",
     )
 
     def __init__(
@@ -70,6 +76,8 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.num_sent_tokens = 0  # output tokens already streamed out
         self.matcher = matcher
+        self.draft_ids: list[int] = []
+        self.ngram: NgramIndex | None = None
 
     @property
     def key(self) -> tuple[str, int]:
