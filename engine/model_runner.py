@@ -159,7 +159,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             if any(seq.draft_ids for seq in sampling_seqs):
                 verified = verify(self.sampler, logits, sampling_seqs)
-                return [SampledToken(seq, t.token_id, t.logprob) for seq, ts in zip(sampling_seqs, verified) for t in ts]
+                return [SampledToken(seq, t.token_id, t.logprob)
+                        for seq, tokens in zip(sampling_seqs, verified) for t in tokens]
         out = self.sampler(logits, sampling_seqs)
         return [
             SampledToken(seq, tok, lp)

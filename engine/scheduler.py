@@ -206,7 +206,7 @@ class Scheduler:
         context length (its last token is the bonus one), or none."""
         if self.proposer is None:
             return []
-        room = min(budget - 1, seq.sampling.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+        room = min(budget, seq.sampling.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose(seq, room) if room > 0 else []
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:

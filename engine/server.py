@@ -192,6 +192,8 @@ class Sidecar:
 def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None) -> Starlette:
     metrics = Metrics()
     engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
+    if config.speculative is not None:
+        metrics.add_spec_decode(lambda: engine.snapshot)
     sidecar = Sidecar(engine, metrics)
     return Starlette(routes=sidecar.routes(), lifespan=sidecar.lifespan)
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import time
 from collections import Counter
 
 import pytest
 import torch
-from test_structured import structured, synthetic_tokenizer_info, tiny_text
+from starlette.testclient import TestClient
+from test_structured import post, structured, synthetic_tokenizer_info, tiny_text
 
 from engine.config import DUMMY_CONFIGS, EngineConfig
 from engine.core import EngineCore
@@ -22,6 +24,7 @@ from engine.protocol import EngineStats, GenerateRequest, SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, Scheduler
+from engine.server import build_app
 from engine.spec_decode import NgramIndex, NgramProposer, verify
 from kernels import load_ops
 
@@ -337,7 +340,8 @@ def chi_square_p_value(a: Counter, b: Counter) -> float:
             expected = (x + y) * total / n
             stat += (observed - expected) ** 2 / expected
     df = len(rows) - 1
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)).item()
+    half = torch.tensor([df / 2, stat / 2], dtype=torch.float64)
+    return torch.special.gammaincc(half[0], half[1]).item()  # the chi-square survival function
 
 
 def test_sampled_outputs_keep_their_distribution_with_speculation():
@@ -390,6 +394,27 @@ def test_stats_carry_the_counters_over_the_wire(tiny):
     assert EngineStats.from_wire(stats.to_wire()) == stats
     plain = tiny_engine(tiny, spec=False).stats()
     assert (plain.spec_num_drafts, plain.spec_num_accepted_tokens_per_pos) == (0, [])
+
+
+def test_the_sidecar_exports_the_counters_under_vllm_names(tiny):
+    config = EngineConfig(model="tiny", speculative="ngram")
+    app = build_app(config, make_core=lambda: tiny_engine(tiny, spec=True))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while (health := client.get("/health")).status_code != 200:  # the engine thread warms up
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        for request in tiny_requests()[:4]:
+            assert post(client, request).status_code == 200
+        while (stats := EngineStats.from_wire(client.get("/stats").json())).num_running:
+            time.sleep(0.05)
+        text = client.get("/metrics").text
+    assert stats.spec_num_accepted_tokens > 0
+    assert f"vllm:spec_decode_num_drafts_total {float(stats.spec_num_drafts)}" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total {float(stats.spec_num_draft_tokens)}" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total {float(stats.spec_num_accepted_tokens)}" in text
+    for position, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}} {float(count)}' in text
 
 
 # --- the real SmolLM2 ---------------------------------------------------------------------------
