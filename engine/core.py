@@ -109,7 +109,7 @@ class EngineCore:
         )
         runner = ModelRunner(
             model, model_config, torch.device(config.device), resolve_dtype(config), config.block_size,
-            config.max_num_seqs, max_model_len,
+            config.max_num_seqs, max_model_len, config.num_speculative_tokens if config.speculative else 0,
         )
         return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 

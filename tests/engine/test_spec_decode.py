@@ -18,6 +18,7 @@ from test_structured import post, structured, synthetic_tokenizer_info, tiny_tex
 
 from engine.config import DUMMY_CONFIGS, EngineConfig
 from engine.core import EngineCore
+from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.kv_cache import KVCacheManager
 from engine.models.llama import LlamaForCausalLM
 from engine.protocol import EngineStats, GenerateRequest, SamplingParams
@@ -271,6 +272,23 @@ def test_greedy_outputs_are_identical_with_and_without_speculation_on_the_tiny_m
     assert any(with_draft and without for with_draft, without in mixes)  # speculating and plain rows together
     stops = [spec[r.request_id, 0] for r in requests if r.sampling.stop_token_ids]
     assert any(finish == "stop" and len(tokens) < 40 for tokens, finish, _ in stops)
+
+
+def test_the_padded_graph_buffers_verify_as_the_eager_path_does(tiny, monkeypatch):
+    """The decode and verification graphs' static, padded inputs, run eagerly (no capture on the
+    CPU): rows of 1 + K queries, drafts shorter than K padded, plain decodes among them."""
+    requests = tiny_requests()
+    plain = run(tiny_engine(tiny, spec=False), requests)
+    core = tiny_engine(tiny, spec=True)
+    runner = core.runner
+    graphs = [DecodeGraphs(runner.model, runner.kv_caches, runner.device, runner.block_size, runner.max_blocks_per_seq,
+                           decode_buckets(16), capture=False, query_len=q) for q in (1, 5)]
+    runner.decode_graphs, runner.verify_graphs = graphs
+    verify_runs = []
+    run_verify = graphs[1].run
+    monkeypatch.setattr(graphs[1], "run", lambda seqs: verify_runs.append(len(seqs)) or run_verify(seqs))
+    assert_same(run(core, requests), plain)
+    assert len(verify_runs) > 20 and max(verify_runs) > 1
 
 
 def test_preemption_and_abort_with_speculation_keep_outputs_and_the_pool_exact(tiny):
