@@ -195,6 +195,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[
         row += 1 + len(seq.draft_ids)
     if row != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logit rows for sequences that need {row}")
+    if sampler.plain_greedy(seqs):  # each row's token is its raw argmax: one kernel, one sync
+        argmax = logits.argmax(-1).tolist()
+        runs = [_greedy_run(seq.draft_ids, argmax[start : start + 1 + len(seq.draft_ids)])
+                for seq, start in zip(seqs, starts)]
+        return [[VerifiedToken(t, None) for t in run] for run in runs]
     out: list[list[VerifiedToken]] = [[] for _ in seqs]
     plain = [i for i, s in enumerate(seqs) if not s.draft_ids]
     if plain:
@@ -229,6 +234,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[
     if raw_logprobs is not None:
         _attach_logprobs(out, spec, raw_logprobs, logprob_rows, committed_rows, rows)
     return out
+
+
+def _greedy_run(drafts: list[int], targets: list[int]) -> list[int]:
+    """The drafts up to the first that differs from its row's target, then that row's target."""
+    for j, draft in enumerate(drafts):
+        if draft != targets[j]:
+            return [*drafts[:j], targets[j]]
+    return [*drafts, targets[-1]]
 
 
 def _accept(probs: torch.Tensor, seqs: list[Sequence], starts: list[int]) -> list[int]:
