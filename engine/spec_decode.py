@@ -158,7 +158,7 @@ def _rows_of(seq: Sequence) -> list[_DraftRow]:
 def _apply_draft_grammars(logits: torch.Tensor, seqs: Seq[Sequence], starts: list[int]) -> None:
     """Mask row ``starts[i] + j`` with ``seqs[i]``'s grammar after its first ``j`` drafts. The
     matcher is advanced through the drafts and rolled back; rows after a draft the grammar refuses
-    stay unmasked (that draft has probability 0, so they are never used)."""
+    or that completes it stay unmasked (the sequence cannot commit past that draft)."""
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not constrained:
         return
@@ -169,9 +169,11 @@ def _apply_draft_grammars(logits: torch.Tensor, seqs: Seq[Sequence], starts: lis
         matcher, drafts = seqs[i].matcher, seqs[i].draft_ids
         advanced = 0
         for j in range(len(drafts) + 1):
+            if matcher.is_terminated():  # a draft completed the grammar: the sequence ends there
+                break
             matcher.fill_next_token_bitmask(bitmask, starts[i] + j)
             rows.append(starts[i] + j)
-            if j == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[j]):
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
                 break
             advanced += 1
         if advanced:
