@@ -175,18 +175,20 @@ def measure(core: EngineCore, prompts: list[list[int]], max_tokens: list[int], t
 
 
 def run_grid(make_core, prompts: dict[str, list[list[int]]], max_tokens: dict[str, list[int]], extra: dict,
-             num_speculative_tokens: int, check_identical: bool) -> dict[str, list[list[int]]]:
-    """Every workload × batch on one plain engine, then on one speculating engine (batch 16 after
-    batch 1, so its prompts mostly hit the prefix cache: prefill is not timed anyway); returns the
-    batch-16 outputs per workload."""
+             num_speculative_tokens: int, check_identical: bool, on_spec_outputs=None) -> None:
+    """Every workload × batch on one speculating engine, then on one plain engine (batch 16 after
+    batch 1, so its prompts mostly hit the prefix cache: prefill is not timed anyway).
+    ``on_spec_outputs`` gets the speculating engine's batch-16 outputs per workload."""
     results = {}
-    for spec in (False, True):
+    for spec in (True, False):
         core = make_core(spec)
         for workload, batch_prompts in prompts.items():
             for batch in BATCHES:
                 tag = f"{workload}-{batch}-{spec}"
                 results[workload, batch, spec] = measure(core, batch_prompts[:batch], max_tokens[workload][:batch], tag)
         del core
+        if spec and on_spec_outputs is not None:
+            on_spec_outputs({workload: results[workload, max(BATCHES), True]["outputs"] for workload in prompts})
     for workload in prompts:
         for batch in BATCHES:
             plain, spec = results[workload, batch, False], results[workload, batch, True]
@@ -198,7 +200,6 @@ def run_grid(make_core, prompts: dict[str, list[list[int]]], max_tokens: dict[st
                  mean_acceptance_length=spec["mean_acceptance_length"],
                  draft_acceptance_rate=spec["draft_acceptance_rate"], decoded_tokens=spec["decoded_tokens"],
                  num_speculative_tokens=num_speculative_tokens, **extra)
-    return {workload: results[workload, max(BATCHES), True]["outputs"] for workload in prompts}
 
 
 def main() -> None:
@@ -245,9 +246,11 @@ def main() -> None:
 
         extra = {"mode": "cpu", "device": "cpu", "model": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32",
                  "threads": torch.get_num_threads()}
-        recorded = run_grid(make_core, prompts, max_tokens, extra, k, check_identical=True)
-        if args.trace_out:
-            Path(args.trace_out).write_text(json.dumps({"prompts": prompts, "outputs": recorded}))
+        def write_trace(outputs: dict[str, list[list[int]]]) -> None:
+            if args.trace_out:
+                Path(args.trace_out).write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+
+        run_grid(make_core, prompts, max_tokens, extra, k, check_identical=True, on_spec_outputs=write_trace)
         return
 
     trace = json.loads(Path(args.trace).read_text())
