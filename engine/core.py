@@ -89,6 +89,8 @@ class EngineCore:
         )
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
+        self._queued_at: dict[str, float] = {}  # requests not scheduled yet
+        self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
         log.info(
             "kv_cache_ready",
@@ -197,11 +199,13 @@ class EngineCore:
             for i in range(sampling.n)
         ]
         self.requests[rid] = seqs
+        self._queued_at[rid] = time.perf_counter()
         self.scheduler.add_request(seqs)
 
     def abort(self, request_id: str) -> list[OutputFrame]:
         """Finish every unfinished sequence of the request with reason "abort"; frees blocks."""
         seqs = self.requests.pop(request_id, None)
+        self._queued_at.pop(request_id, None)
         if seqs is None:
             return []
         frames = []
@@ -220,6 +224,10 @@ class EngineCore:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
+        for seq, _ in scheduled:
+            queued_at = self._queued_at.pop(seq.request_id, None)
+            if queued_at is not None:
+                self._queue_times.append(t0 - queued_at)
         self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
         sampled = self.runner.execute(scheduled)
         outputs = self.scheduler.update(scheduled, sampled)
@@ -231,6 +239,11 @@ class EngineCore:
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
         return frames
+
+    def take_queue_times(self) -> list[float]:
+        """Each request's wait from arrival to the first step that ran it, since the last call."""
+        times, self._queue_times = self._queue_times, []
+        return times
 
     def _copy_blocks(self) -> None:
         copies = self.kv.take_block_copies()
@@ -248,11 +261,14 @@ class EngineCore:
         logprobs = None
         if seq.sampling.logprobs is not None:
             logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        first = seq.index == 0 and new_tokens and seq.num_sent_tokens == len(new_tokens)
+        prompt_logprobs = seq.prompt_logprobs if first and seq.sampling.prompt_logprobs is not None else None
         return OutputFrame(
             request_id=seq.request_id,
             index=seq.index,
             token_ids=new_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,

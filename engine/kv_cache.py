@@ -201,9 +201,10 @@ class KVCacheManager:
         """Cached full blocks holding the longest prefix of ``seq``, then the entry sharing the
         most of the following tokens; leaves at least one token to compute.
 
-        Pure query: takes no reference (pass the result to :meth:`allocate`).
+        Pure query: takes no reference (pass the result to :meth:`allocate`). A sequence that still
+        needs prompt logprobs gets no hit: it recomputes its prompt (its blocks are cached as usual).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return PrefixMatch([], None, 0)
         hashes = seq.update_block_hashes(self.block_size)
         max_blocks = (seq.num_tokens - 1) // self.block_size

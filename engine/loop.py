@@ -144,6 +144,8 @@ class EngineLoop:
     def _step(self, core: EngineCore) -> list[OutputFrame]:
         steps, busy = core.counters.steps, core.counters.busy_seconds
         frames = core.step()
+        for seconds in core.take_queue_times():
+            self.metrics.queue_time.observe(seconds)
         if core.counters.steps > steps:
             self.metrics.step_seconds.observe(core.counters.busy_seconds - busy)
             self.metrics.steps.inc()

@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.prompt_logprobs import collect_prompt_logprobs
 from engine.protocol import SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
@@ -149,7 +150,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         """Run one step; sample for every sequence whose known tokens are now all computed (and
-        verify the drafts of those that have one)."""
+        verify the drafts of those that have one). The prefill chunks of sequences that need
+        prompt logprobs get them here (eagerly, never in a graph)."""
         if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
             seqs = [seq for seq, _ in scheduled]
             q = self.verify_graphs.query_len
@@ -157,7 +159,9 @@ class ModelRunner:
             rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
             return self._verified(logits[torch.tensor(rows, device=self.device)], seqs)
         graphs = self.decode_graphs
-        if graphs is not None and len(scheduled) <= graphs.max_batch_size and all(n == 1 for _, n in scheduled):
+        prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
+        if (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
+                and all(n == 1 for _, n in scheduled)):
             logits, greedy = graphs.run([seq for seq, _ in scheduled])
             sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
             if not sample_rows:
@@ -170,6 +174,8 @@ class ModelRunner:
                 return [SampledToken(seq, tok, None) for seq, tok in zip(sampling_seqs, greedy.tolist())]
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)
+            if prompt_logprobs:
+                collect_prompt_logprobs(self.model.compute_logits, hidden, scheduled)
             if not sample_rows:
                 return []
             if len(sample_rows) < hidden.shape[0]:

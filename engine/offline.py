@@ -43,6 +43,10 @@ def _result(frames: list[OutputFrame], want_logprobs: bool) -> dict[str, Any]:
         out["logprobs"] = [
             {"logprob": lp.logprob, "top": [list(t) for t in lp.top]} for f in frames for lp in f.logprobs or []
         ]
+    prompt = next((f.prompt_logprobs for f in frames if f.prompt_logprobs is not None), None)
+    if prompt is not None:  # sequence 0's
+        out["prompt_logprobs"] = [{"logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+                                  for lp in prompt]
     return out
 
 

@@ -86,6 +86,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's (after the first) plus the top k
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: StructuredOutput | None = None
@@ -128,6 +129,16 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank (1: the most likely) and
+    the top k of that position."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
 class OutputFrame:
     request_id: str
     index: int = 0  # which of the n sequences
@@ -137,6 +148,8 @@ class OutputFrame:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # sequence 0's first frame with tokens, when asked: one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -149,6 +162,8 @@ class OutputFrame:
         }
         if self.logprobs is not None:
             wire["logprobs"] = [[lp.logprob, [list(t) for t in lp.top]] for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            wire["prompt_logprobs"] = [[lp.logprob, lp.rank, [list(t) for t in lp.top]] for lp in self.prompt_logprobs]
         if self.error is not None:
             wire["error"] = self.error
         return wire
@@ -159,6 +174,7 @@ class OutputFrame:
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> OutputFrame:
         logprobs = wire.get("logprobs")
+        prompt_logprobs = wire.get("prompt_logprobs")
         return cls(
             request_id=wire["request_id"],
             index=wire["index"],
@@ -166,6 +182,9 @@ class OutputFrame:
             logprobs=None
             if logprobs is None
             else [TokenLogprob(lp, [(int(t), float(v)) for t, v in top]) for lp, top in logprobs],
+            prompt_logprobs=None
+            if prompt_logprobs is None
+            else [PromptLogprob(lp, rank, [(int(t), float(v)) for t, v in top]) for lp, rank, top in prompt_logprobs],
             finish_reason=wire["finish_reason"],
             num_prompt_tokens=wire["num_prompt_tokens"],
             num_cached_tokens=wire["num_cached_tokens"],
@@ -329,6 +348,8 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
         p.min_tokens = _check_int(wire["min_tokens"], "min_tokens", lo=0, hi=p.max_tokens)
     if wire.get("logprobs") is not None:
         p.logprobs = _check_int(wire["logprobs"], "logprobs", lo=0, hi=MAX_LOGPROBS)
+    if wire.get("prompt_logprobs") is not None:
+        p.prompt_logprobs = _check_int(wire["prompt_logprobs"], "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
     if "n" in wire:
         p.n = _check_int(wire["n"], "n", lo=1, hi=128)
     if wire.get("logit_bias"):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.protocol import SamplingParams, TokenLogprob
+from engine.protocol import PromptLogprob, SamplingParams, TokenLogprob
 from prefix_index.hashing import BlockHash, block_hashes
 
 if TYPE_CHECKING:
@@ -35,13 +35,17 @@ class Sequence:
     With speculative decoding, ``draft_ids`` are the proposed tokens a step verifies after
     ``all_token_ids`` (scheduled as extra new tokens; empty between steps) and ``ngram`` is the
     proposer's index of this sequence's tokens. Only committed tokens ever enter ``all_token_ids``.
+
+    Sequence 0 of a request with ``sampling.prompt_logprobs`` collects them in ``prompt_logprobs``
+    (the model runner appends each prefill chunk's) and is served no cached prefix until it has them
+    all (:attr:`needs_prompt_logprobs`): cached KV holds no logits.
     """
 
     __slots__ = (
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs", "num_sent_tokens",
-        "matcher", "draft_ids", "ngram",
+        "matcher", "prompt_logprobs", "draft_ids", "ngram",
     )
 
     def __init__(
@@ -76,6 +80,7 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.num_sent_tokens = 0  # output tokens already streamed out
         self.matcher = matcher
+        self.prompt_logprobs: list[PromptLogprob] = []  # of prompt tokens 1, 2, ... (the first has none)
         self.draft_ids: list[int] = []
         self.ngram: NgramIndex | None = None
 
@@ -90,6 +95,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return (self.sampling.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -32,7 +32,8 @@ log = structlog.get_logger("engine.server")
 class _Stream:
     """The event-loop side of one request: frames arrive here from the engine thread."""
 
-    __slots__ = ("frames", "open_sequences", "arrival", "first_token_at", "prompt_len", "cached", "generated")
+    __slots__ = ("frames", "open_sequences", "arrival", "first_token_at", "prompt_len", "cached", "generated",
+                 "last_token_at")
 
     def __init__(self, n: int, prompt_len: int):
         self.frames: asyncio.Queue[OutputFrame] = asyncio.Queue()
@@ -42,6 +43,7 @@ class _Stream:
         self.prompt_len = prompt_len
         self.cached = 0
         self.generated = 0
+        self.last_token_at: dict[int, float] = {}  # per sequence, for the inter-token latency
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -125,9 +127,16 @@ class Sidecar:
             self._log_request(gen, stream, reasons)
 
     def _account(self, stream: _Stream, frame: OutputFrame, reasons: list[str]) -> None:
-        if frame.token_ids and stream.first_token_at is None:
-            stream.first_token_at = time.perf_counter()
-            self.metrics.ttft.observe(stream.first_token_at - stream.arrival)
+        if frame.token_ids:
+            now = time.perf_counter()
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                self.metrics.ttft.observe(now - stream.arrival)
+            last = stream.last_token_at.get(frame.index)
+            if last is not None:
+                for _ in frame.token_ids:  # a frame of k tokens: k gaps of a k-th of its wait
+                    self.metrics.inter_token_latency.observe((now - last) / len(frame.token_ids))
+            stream.last_token_at[frame.index] = now
         stream.generated += len(frame.token_ids)
         stream.cached = frame.num_cached_tokens
         if frame.finish_reason is not None:
@@ -141,6 +150,7 @@ class Sidecar:
         metrics.prompt_tokens.inc(stream.prompt_len)
         metrics.cached_tokens.inc(stream.cached)
         metrics.generation_tokens.inc(stream.generated)
+        metrics.e2e_latency.observe(time.perf_counter() - stream.arrival)
         log.info(
             "request",
             request_id=gen.request_id,
@@ -190,7 +200,7 @@ class Sidecar:
 
 
 def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None) -> Starlette:
-    metrics = Metrics()
+    metrics = Metrics(config.served_name)
     engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
     if config.speculative is not None:
         metrics.add_spec_decode(lambda: engine.snapshot)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -30,20 +31,25 @@ from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AuthMiddleware, RequestContextMiddleware
+from gateway.openai_responses import ResponsesRequest
 from gateway.pool import EnginePool
+from gateway.response_store import ResponseStore, make_response_store
 from gateway.router import make_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving
 from gateway.spawn import EngineProcesses
+from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
 
 log = structlog.get_logger("gateway")
+VERSION = importlib.metadata.version("kvgate")
 
 
 def openapi_schema() -> dict[str, Any]:
     """OpenAPI 3.1 document generated from the request models."""
     _, defs = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        [(m, "validation") for m in (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest,
+                                     DetokenizeRequest)],
         ref_template="#/components/schemas/{model}",
     )
     error = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
@@ -51,13 +57,14 @@ def openapi_schema() -> dict[str, Any]:
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
 
-    def generation(model: str, summary: str) -> dict:
+    def generation(model: str, summary: str, answer: str = "JSON, or text/event-stream chunks when stream is true"
+                   ) -> dict:
         return {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model}"}}}},
             "responses": {
-                "200": {"description": "JSON, or text/event-stream chunks when stream is true"},
+                "200": {"description": answer},
                 **{str(s): error for s in (400, 401, 404, 413, 415, 429, 502, 503)},
             },
         }}
@@ -71,6 +78,11 @@ def openapi_schema() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": generation("ChatCompletionRequest", "Chat completion"),
             "/v1/completions": generation("CompletionRequest", "Text completion"),
+            "/v1/responses": generation("ResponsesRequest", "Responses API (stateless unless store)",
+                                        "JSON, or text/event-stream events when stream is true"),
+            "/tokenize": generation("TokenizeRequest", "A prompt or chat messages to token ids", "token ids"),
+            "/detokenize": generation("DetokenizeRequest", "Token ids to text", "text"),
+            "/version": {"get": {"summary": "kvgate's version", "responses": {"200": {"description": "version"}}}},
             "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "model list"}}}},
             "/v1/models/{model_id}": {"get": {
                 "summary": "One served model", "parameters": [{"name": "model_id", "in": "path", "required": True,
@@ -108,6 +120,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=min(config.max_in_flight, 256)))
         router = make_router(config, metrics)  # started once the engines' model is known
         health: asyncio.Task | None = None
+        response_store: ResponseStore | None = None
         router_started = False
         try:
             urls = list(config.engines) if procs is None else await procs.start()
@@ -122,7 +135,9 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
             await router.start(model.name, model.block_size)
             router_started = True
             name = model.name  # the engines own the served name (spawned ones were given --served-model-name)
-            serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics)
+            response_store = make_response_store(config.index_url, config.response_ttl)
+            serving = Serving(config, tokenizer, Dispatcher(pool, router, metrics), model, name, metrics,
+                              response_store)
             health = asyncio.create_task(pool.run_health_checks(config.health_interval))
             log.info("gateway_ready", model=name, replicas=urls, max_model_len=model.limits.max_model_len,
                      routing=config.routing, auth=bool(config.api_keys),
@@ -136,6 +151,8 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
                 health.cancel()
             if router_started:
                 await router.close()
+            if response_store is not None:
+                await response_store.close()
             await transport.aclose()
             if procs is not None:
                 await procs.stop()
@@ -149,6 +166,14 @@ async def chat(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await request.state.serving.completions(request)
+
+
+async def responses(request: Request) -> Response:
+    return await request.state.serving.responses(request)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
 
 
 def _model_card(request: Request) -> dict[str, Any]:
@@ -195,6 +220,10 @@ def create_app(config: GatewayConfig) -> ASGIApp:
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),

@@ -129,6 +129,9 @@ _SETTINGS: tuple[Setting, ...] = (
     Setting("index_url", "prefix index: memory:// or redis://host:port/db; spawned engines publish "
             "their KV events to a redis:// one; read by prefix-aware routing (least-load and round-robin "
             "do not)", _index_url, "memory://", group="engines"),
+    Setting("response_ttl", "seconds a stored Responses API response (store: true) stays readable by "
+            "previous_response_id; kept where --index-url points (redis://: shared by gateways)",
+            positive_float, 3600.0, metavar="SECONDS", group="engines"),
     Setting("engine_startup_timeout", "seconds to wait for an engine to become ready at start",
             positive_float, 600.0, group="engines"),
     Setting("health_interval", "seconds between engine health/stats polls", positive_float, 1.0,
@@ -198,6 +201,7 @@ class GatewayConfig:
     cache_dir: Path = Path(_DEFAULTS["cache_dir"])
     tool_call_parser: str = _DEFAULTS["tool_call_parser"]
     reasoning_parser: str = _DEFAULTS["reasoning_parser"]
+    response_ttl: float = _DEFAULTS["response_ttl"]
     engine_startup_timeout: float = _DEFAULTS["engine_startup_timeout"]
     health_interval: float = _DEFAULTS["health_interval"]
 
@@ -214,6 +218,7 @@ class GatewayConfig:
             "trusted_proxies": list(self.trusted_proxies), "shared_prefix_cache": self.shared_prefix_cache,
             "max_in_flight": self.max_in_flight, "max_body_bytes": self.max_body_bytes,
             "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
+            "response_ttl": self.response_ttl,
         }
 
 
@@ -225,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
-        help="serve /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics",
+        help="serve /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /tokenize, /detokenize, "
+             "/version, /health, /ready, /metrics",
         description="Serve the OpenAI-compatible API. Every flag can also be set by the environment "
                     "variable shown; the flag wins. Repeatable flags take comma-separated env values.",
     )

@@ -19,7 +19,7 @@ PROMPT_CONTEXT_TOKENS = 4  # prompt tokens fed first so the first output token d
 
 class SequenceText:
     __slots__ = ("_tokenizer", "_stream", "_skip_special", "_stops", "_holdback", "_include_stop",
-                 "_min_tokens", "_pending", "text", "sent", "num_tokens", "stopped")
+                 "_min_tokens", "_pending", "text", "sent", "num_tokens", "stopped", "stop_str")
 
     def __init__(
         self,
@@ -43,6 +43,7 @@ class SequenceText:
         self.sent = 0  # characters of text already released
         self.num_tokens = 0  # tokens consumed (none after a stop string)
         self.stopped = False  # a stop string ended the sequence
+        self.stop_str: str | None = None  # which one
 
     def add(self, token_ids: Sequence[int]) -> list[int]:
         """Consume tokens until a stop string matches; returns the text offset where each consumed token
@@ -104,3 +105,4 @@ class SequenceText:
         if best != -1:
             self.text = self.text[: best + len(best_stop) if self._include_stop else best]
             self.stopped = True
+            self.stop_str = best_stop

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import anyio
 
-from engine.protocol import GenerateRequest, OutputFrame, TokenLogprob
+from engine.protocol import GenerateRequest, OutputFrame, PromptLogprob, TokenLogprob
 from gateway.detokenizer import SequenceText
 from gateway.dispatch import RoutedStream
 from gateway.engine_client import EngineFailed
@@ -39,6 +39,8 @@ class Delta(NamedTuple):
     finish_reason: str | None
     reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    first: bool = False  # the choice's first delta (where an echo goes)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class CallParser(Protocol):
@@ -98,8 +100,10 @@ class Choice:
     seq: SequenceText
     output: ChoiceOutput | None = None  # None: the text is the content as it is
     finish_reason: str | None = None
-    # accumulated for a non-streamed response with logprobs
-    lp_tokens: list[int] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    started: bool = False  # a delta was sent
+    # accumulated for a non-streamed response (logprobs only when asked)
+    token_ids: list[int] = field(default_factory=list)
     lp_values: list[TokenLogprob] = field(default_factory=list)
     lp_offsets: list[int] = field(default_factory=list)
 
@@ -114,6 +118,8 @@ class Job:
     running: int  # sequences the engine has not finished yet
     cached_tokens: int = 0
     stream: RoutedStream | None = None  # once routed
+    prompt_logprobs: list[PromptLogprob] | None = None  # of prompt tokens 1, 2, ... once the engine sent them
+    echo_text: str | None = None  # the prompt as a completions echo shows it, once a response shape made it
 
     @property
     def done(self) -> bool:
@@ -128,8 +134,12 @@ class Run:
     jobs: list[Job]
     choices: list[Choice]
     logprobs: bool
+    prompt_logprobs: bool = False  # asked of the engine
     first_token_at: float | None = None
     finished: bool = False
+
+    def job_of(self, choice: Choice) -> Job:
+        return self.jobs[choice.index // len(self.jobs[0].choices)]
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(j.request.prompt_ids) for j in self.jobs)
@@ -156,11 +166,11 @@ class Run:
 
     async def collect(self) -> None:
         """Read the run to its end for a non-streamed response: the text stays in each choice's
-        ``seq``, its logprobs (when asked) in the choice's ``lp_*`` lists."""
+        ``seq``, its tokens in ``token_ids``, their logprobs (when asked) in the ``lp_*`` lists."""
         async for d in self.deltas():
+            c = self.choices[d.index]
+            c.token_ids += d.token_ids
             if self.logprobs:
-                c = self.choices[d.index]
-                c.lp_tokens += d.token_ids
                 c.lp_values += d.logprobs
                 c.lp_offsets += d.offsets
 
@@ -214,11 +224,19 @@ class Run:
         if frame.finish_reason in ("error", "abort"):
             raise EngineFailed(
                 f"engine {job.stream.replica.url} ended the request: {frame.error or frame.finish_reason}")
+        if frame.prompt_logprobs is not None:
+            job.prompt_logprobs = frame.prompt_logprobs
+        elif self.prompt_logprobs and frame.token_ids and job.prompt_logprobs is None:
+            raise EngineFailed("engine sent no prompt logprobs although they were asked for")
         seq = choice.seq
         offsets = seq.add(frame.token_ids)
         if offsets and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         finish = "stop" if seq.stopped else frame.finish_reason
+        stop_reason = None
+        if finish == "stop":
+            last = frame.token_ids[-1] if frame.token_ids else None
+            stop_reason = seq.stop_str if seq.stopped else last if last in job.request.sampling.stop_token_ids else None
         text = seq.finish() if finish else seq.release()
         reasoning, calls = "", ()
         if choice.output is not None:
@@ -226,10 +244,11 @@ class Run:
             if finish == "stop" and choice.output.calls:
                 finish = "tool_calls"
         if finish:
-            choice.finish_reason = finish
+            choice.finish_reason, choice.stop_reason = finish, stop_reason
             job.open -= 1
-        elif not text and not offsets and not reasoning and not calls:
+        elif not text and not offsets and not reasoning and not calls and choice.started:
             return None
+        first, choice.started = not choice.started, True
         consumed = len(offsets)
         token_ids = frame.token_ids if consumed == len(frame.token_ids) else frame.token_ids[:consumed]
         logprobs = None
@@ -237,4 +256,4 @@ class Run:
             if frame.logprobs is None and consumed:
                 raise EngineFailed("engine sent no logprobs although they were asked for")
             logprobs = (frame.logprobs or [])[:consumed]
-        return Delta(choice.index, text, token_ids, logprobs, offsets, finish, reasoning, calls)
+        return Delta(choice.index, text, token_ids, logprobs, offsets, finish, reasoning, calls, first, stop_reason)

@@ -1,7 +1,9 @@
 """OpenAI request models (pydantic, strict) and their conversion into engine sampling parameters.
 
-Unknown fields are rejected by name; known OpenAI fields this server does not implement (legacy
-functions, echo, image parts, ...) are rejected by name too, never ignored. Numeric ranges are checked
+Unknown top-level fields are rejected by name; known OpenAI fields this server does not implement
+(legacy functions, audio, image parts, ...) are rejected by name too, never ignored. Inside messages
+it is lenient where OpenAI is: ``name``, text content parts and an assistant's ``refusal`` (which
+the template does not render) are accepted. Numeric ranges are checked
 by :func:`engine.protocol.parse_sampling`, so gateway and engine reject the same inputs with the same
 words. Tools, ``tool_choice``, ``response_format`` and vLLM's ``structured_outputs`` become one output
 constraint (:mod:`gateway.structured`); whether its grammar compiles is checked by the caller.
@@ -31,14 +33,17 @@ def _unsupported(accepted: str = "") -> Any:
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage so far on every chunk (vLLM's extra)")
 
 
 class ContentPart(BaseModel):
-    """A part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """A part of a message's content; ``{"type": "text", "text": ...}`` is served, an assistant's
+    ``{"type": "refusal", "refusal": ...}`` accepted and not rendered."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class FunctionCall(BaseModel):
@@ -64,9 +69,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an answer's reasoning sent back (vLLM): templates may render it
+    refusal: str | None = None  # an assistant's refusal sent back: accepted, not rendered
     function_call: Any = _unsupported()
     audio: Any = _unsupported()
-    refusal: Any = _unsupported()
 
 
 class FunctionDefinition(BaseModel):
@@ -166,6 +171,13 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = Field(None, description="logprobs of each prompt token and the top k (vLLM's "
+                                        "extra); the engine recomputes a cached prefix to give them")
+    return_token_ids: bool = Field(False, description="the prompt's and each choice's token ids in the response")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep only the last k prompt tokens "
+                                               "(-1: the model's context length)")
+    cache_salt: str | None = Field(None, min_length=1, description="KV cache reuse only among requests with the "
+                                   "same salt (combined with the API key's, never replacing it)")
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}  # field -> the one non-null value still accepted
 
@@ -176,6 +188,11 @@ class SamplingFields(BaseModel):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream (use echo with logprobs on "
+                                "/v1/completions)", param="prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -199,6 +216,20 @@ class SamplingFields(BaseModel):
         """The specs to compile (:func:`gateway.structured.check_grammars`) before the request is sent."""
         return [self.constraint] if self.constraint is not None else []
 
+    def truncated(self, token_ids: list[int], limits: ModelLimits) -> list[int]:
+        """The prompt after ``truncate_prompt_tokens`` (its last k tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        return token_ids[-(limits.max_model_len if k == -1 else k):]
+
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes (more than ``prompt_logprobs`` for an echo)."""
+        return self.prompt_logprobs
+
     def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_len: int,
                  limits: ModelLimits, logprobs_param: str) -> SamplingParams:
         """Engine sampling parameters; raises 400 for out-of-range values and prompts that do not fit."""
@@ -215,6 +246,8 @@ class SamplingFields(BaseModel):
                 wire[name] = value
         if logprobs is not None:
             wire["logprobs"] = logprobs
+        if self.engine_prompt_logprobs() is not None:
+            wire["prompt_logprobs"] = self.engine_prompt_logprobs()
         constraint = self.constraint
         if constraint is not None:
             wire["structured"] = constraint.structured.to_wire()
@@ -238,6 +271,11 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template "
                                                         "(vLLM's extra), e.g. enable_thinking")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the template's generation prompt")
+    continue_final_message: bool = Field(False, description="continue the final (assistant) message instead of "
+                                         "starting a new one; needs add_generation_prompt false")
+    echo: bool = Field(False, description="start the answer with the final message's content when it is the "
+                       "assistant's")
     functions: Any = _unsupported()
     function_call: Any = _unsupported()
     audio: Any = _unsupported()
@@ -256,6 +294,20 @@ class ChatCompletionRequest(SamplingFields):
     # set by the template call itself: a kwarg of the same name would clash with it
     RESERVED_TEMPLATE_KWARGS: ClassVar[frozenset[str]] = frozenset(
         {"messages", "tools", "documents", "add_generation_prompt"})
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt to be false",
+                           param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the final message to be the assistant's",
+                           param="continue_final_message")
+
+    def echo_text(self) -> str:
+        """What an echo starts the answer with: the final message's text when it is the assistant's."""
+        last = self.messages[-1]
+        return _message_text(len(self.messages) - 1, last) if self.echo and last.role == "assistant" else ""
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -320,7 +372,7 @@ class ChatCompletionRequest(SamplingFields):
         their arguments as objects (templates write ``arguments | tojson``)."""
         out = []
         for i, m in enumerate(self.messages):
-            for name in ("function_call", "audio", "refusal"):
+            for name in ("function_call", "audio"):
                 if getattr(m, name) is not None:
                     raise APIError(400, f"messages[{i}].{name} is not supported by this server",
                                    param=f"messages[{i}].{name}")
@@ -333,7 +385,7 @@ class ChatCompletionRequest(SamplingFields):
                                param=f"messages[{i}].tool_call_id")
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
-            for name in ("tool_calls", "reasoning_content"):
+            for name in ("tool_calls", "reasoning_content", "refusal"):
                 if getattr(m, name) is not None and m.role != "assistant":
                     raise APIError(400, f"messages[{i}].{name}: only assistant messages have {name}",
                                    param=f"messages[{i}].{name}")
@@ -356,13 +408,15 @@ def _tool_dict(tool: Tool) -> dict[str, Any]:
 
 def _message_text(i: int, m: ChatMessage) -> str:
     if m.content is None:
-        if m.tool_calls:
-            return ""  # an assistant message with only calls; "" as templates that concatenate need
+        if m.tool_calls or m.refusal is not None:
+            return ""  # an assistant message with only calls or a refusal; "" as templates that concatenate need
         raise APIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
     if isinstance(m.content, str):
         return m.content
     texts = []
     for j, part in enumerate(m.content):
+        if part.type == "refusal" and m.role == "assistant" and part.refusal is not None:
+            continue
         if part.type != "text" or part.text is None:
             raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
                            param=f"messages[{i}].content[{j}]")
@@ -383,11 +437,15 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: Any = _unsupported()
+    echo: bool = False
     best_of: int | None = None
     suffix: Any = _unsupported()
 
-    UNSUPPORTED = {"echo": None, "suffix": None}
+    UNSUPPORTED = {"suffix": None}
+
+    def engine_prompt_logprobs(self) -> int | None:
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -412,6 +470,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
+    "input": "must be a string or a list of input items (messages, function_call, function_call_output, reasoning)",
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,8 +32,10 @@ from gateway.engine_client import EngineFailed, EngineRejected
 from gateway.errors import APIError, overloaded, record_of
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestRecord
+from gateway.openai_responses import ResponsesRequest, ResponsesShape
 from gateway.reasoning import REASONING_PARSERS
 from gateway.replica import ModelInfo
+from gateway.response_store import ResponseStore
 from gateway.responses import ChatShape, CompletionShape, EventStream, ResponseShape, dumps
 from gateway.run import CallParser, Choice, ChoiceOutput, Job, Run
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, validation_error
@@ -68,7 +71,7 @@ class Endpoint(Generic[_Req]):
 
     request_model: type[_Req]
     plan: Callable[[_Req], Awaitable[Plan]]
-    shape: ResponseShape[_Req]
+    shape: ResponseShape[_Req] | ResponsesShape
 
 
 def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
@@ -80,10 +83,11 @@ def tool_call_parser_name(setting: str, chat_template: str | None) -> str:
 
 
 class Serving:
-    """Handlers for /v1/chat/completions and /v1/completions. Owns no clients: the app's lifespan does."""
+    """Handlers for /v1/chat/completions, /v1/completions and /v1/responses. Owns no clients: the app's
+    lifespan does."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher, model: ModelInfo,
-                 model_name: str, metrics: GatewayMetrics):
+                 model_name: str, metrics: GatewayMetrics, response_store: ResponseStore):
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
@@ -95,6 +99,8 @@ class Serving:
         self.reasoning_parser = REASONING_PARSERS.get(config.reasoning_parser)  # None: "none"
         self._chat = Endpoint(ChatCompletionRequest, self._chat_plan, ChatShape(tokenizer, model_name))
         self._completions = Endpoint(CompletionRequest, self._completion_plan, CompletionShape(tokenizer, model_name))
+        self.response_store = response_store
+        self._responses = Endpoint(ResponsesRequest, self._responses_plan, ResponsesShape(model_name, response_store))
 
     # --- endpoints ---
 
@@ -103,6 +109,9 @@ class Serving:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, self._completions)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, self._responses)
 
     async def _serve(self, request: Request, endpoint: Endpoint[_Req]) -> Response:
         record = record_of(request)
@@ -124,8 +133,9 @@ class Serving:
                 return EventStream(events, headers, lambda: self._finish(run, record))
             if not await self._collect(request, run):
                 return Response(status_code=499)  # nobody reads it; the log line says the client left
-            return Response(dumps(endpoint.shape.json(run, req, created)), headers=headers,
-                            media_type="application/json")
+            body = endpoint.shape.json(run, req, created)
+            await endpoint.shape.finish(body, req)
+            return Response(dumps(body), headers=headers, media_type="application/json")
         finally:
             if not handed_off:
                 await self._finish(run, record)
@@ -151,26 +161,38 @@ class Serving:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    async def admit(self, request: Request) -> bytes:
+        """Admission and the body, for the routes that do not generate (/tokenize, /detokenize)."""
+        return await self._admit(request)
+
     def _parse(self, model_cls: type[_Req], body: bytes) -> _Req:
         try:
             req = model_cls.model_validate_json(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
         req.check_supported()
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self.check_model(req.model)
         return req
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served one (or not given)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     # --- request → engine requests ---
 
     async def _chat_plan(self, req: ChatCompletionRequest) -> Plan:
         tools = req.tool_use
         await self._check_grammars(req)
-        chat = self.tokenizer.chat_prompt(req.template_messages(), tools.tools, req.template_kwargs())
-        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(chat.token_ids), self.model.limits,
+        chat = self.tokenizer.chat_prompt(req.template_messages(), tools.tools, req.template_kwargs(),
+                                          req.add_generation_prompt, req.continue_final_message)
+        token_ids = req.truncated(chat.token_ids, self.model.limits)
+        dropped = len(chat.token_ids) - len(token_ids)
+        boundaries = [b - dropped for b in chat.cache_boundaries if b > dropped]
+        sampling = req.sampling(req.max_new_tokens(), req.engine_logprobs(), len(token_ids), self.model.limits,
                                 "top_logprobs")
-        return Plan([Prompt(chat.token_ids, chat.cache_boundaries, sampling)], self._chat_output(req))
+        return Plan([Prompt(token_ids, boundaries, sampling)], self._chat_output(req))
 
     def _chat_output(self, req: ChatCompletionRequest) -> Callable[[], ChoiceOutput] | None:
         """How each choice's text is parsed. A constrained output is what its grammar allows from the
@@ -192,6 +214,15 @@ class Serving:
             return functools.partial(NamedCall, tools.name)
         return None
 
+    async def _responses_plan(self, req: ResponsesRequest) -> Plan:
+        previous = None
+        if req.previous_response_id is not None:
+            previous = await self.response_store.get(req.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"no stored response {req.previous_response_id!r}: unknown, expired, or not "
+                                    "stored (store: true keeps one)", param="previous_response_id", code="not_found")
+        return await self._chat_plan(req.chat_request(previous))
+
     async def _completion_plan(self, req: CompletionRequest) -> Plan:
         await self._check_grammars(req)
         vocab = self.model.limits.vocab_size
@@ -204,6 +235,7 @@ class Serving:
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             batch.append(prompt)
+        batch = [req.truncated(ids, self.model.limits) for ids in batch]
         return Plan([Prompt(ids, [], req.sampling(req.max_tokens, req.logprobs, len(ids), self.model.limits,
                                                   "logprobs")) for ids in batch])
 
@@ -217,7 +249,7 @@ class Serving:
     def _build_run(self, req: SamplingFields, plan: Plan, id_prefix: str, record: RequestRecord) -> Run:
         stops = req.stop_strings()
         prompts = plan.prompts
-        salt = None if self.config.shared_prefix_cache else record.tenant
+        salt = request_salt(None if self.config.shared_prefix_cache else record.tenant, req.cache_salt)
         prefix = id_prefix + uuid.uuid4().hex
         jobs, choices = [], []
         for p, prompt in enumerate(prompts):
@@ -232,8 +264,10 @@ class Serving:
             request = GenerateRequest(request_id, prompt.token_ids, prompt.sampling, salt, prompt.cache_boundaries)
             jobs.append(Job(request, job_choices, open=n, running=n))
             choices += job_choices
-        # every prompt of a request asks for logprobs or none does
-        return Run(jobs, choices, logprobs=prompts[0].sampling.logprobs is not None)
+        # every prompt of a request asks for logprobs or none does, and so for prompt logprobs
+        sampling = prompts[0].sampling
+        return Run(jobs, choices, logprobs=sampling.logprobs is not None,
+                   prompt_logprobs=sampling.prompt_logprobs is not None)
 
     async def _route(self, run: Run, record: RequestRecord) -> None:
         """Open every job's engine stream (the pool fails over between replicas)."""
@@ -314,6 +348,14 @@ class Serving:
             error = APIError(500, "internal server error")
         yield f"data: {dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def request_salt(tenant_salt: str | None, cache_salt: str | None) -> str | None:
+    """The engine's salt: the tenant's (None when prefixes are shared), and a request's cache_salt
+    added to it, never replacing it: requests share KV only when both are equal."""
+    if cache_salt is None:
+        return tenant_salt
+    return json.dumps([tenant_salt, cache_salt], ensure_ascii=False)
 
 
 def _note_routing(run: Run, record: RequestRecord) -> None:

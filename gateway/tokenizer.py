@@ -224,11 +224,19 @@ class Tokenizer:
         return messages, context
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
-                    template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+                    template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> ChatPrompt:
         """Render and tokenize, and probe where the system prompt (with the tools the template puts
-        there) and the last message end."""
+        there) and the last message end. ``continue_final_message`` cuts the text right after the
+        final message's content, as ``apply_chat_template`` does, so the model continues it."""
         messages, context = self._template_inputs(messages, tools, template_kwargs)
-        text = self.render(messages, context=context)
+        text = self.render(messages, add_generation_prompt, context=context)
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            if final not in text:
+                raise APIError(400, "continue_final_message: the chat template does not render the final "
+                                    "message's content", param="continue_final_message")
+            text = text[: text.rindex(final) + len(final)]
         ids, tail, tail_start = self._encode_continuing(messages, text, context)
         boundaries: list[int] = []
         num_system = 0

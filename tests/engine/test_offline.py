@@ -67,3 +67,24 @@ def test_generate_lines_carry_salt_and_cache_boundaries():
 def test_bad_cpu_threads_exits_2_naming_the_flag():
     done = generate([], *FLAGS[:-1], "0")
     assert done.returncode == 2 and "--cpu-threads must be at least 1" in done.stderr
+
+
+def test_generate_line_with_prompt_logprobs():
+    """Prompt logprobs come with sequence 0, one per prompt token after the first, each with its top k."""
+    import io
+
+    from engine.offline import run_offline
+
+    core = EngineCore.from_config(EngineConfig(model="tiny", load_format="dummy", device="cpu", num_kv_blocks=64))
+    prompt = list(range(300, 340))
+    line = {"prompt_ids": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "prompt_logprobs": 2}
+    out = io.StringIO()
+    run_offline(core, [json.dumps(line), json.dumps({**line, "n": 2}), json.dumps({**line, "prompt_logprobs": 21})],
+                out)
+    single, pair, too_many = map(json.loads, out.getvalue().splitlines())
+    lps = single["prompt_logprobs"]
+    assert len(lps) == len(prompt) - 1 and all(len(lp["top"]) == 2 and lp["rank"] >= 1 for lp in lps)
+    assert all(lp["top"][0][1] >= lp["logprob"] for lp in lps)
+    assert all((lp["rank"] == 1) == (lp["logprob"] == lp["top"][0][1]) for lp in lps)
+    assert pair["outputs"][0]["prompt_logprobs"] == lps and "prompt_logprobs" not in pair["outputs"][1]
+    assert too_many["error"]["param"] == "prompt_logprobs"

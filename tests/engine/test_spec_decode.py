@@ -428,11 +428,12 @@ def test_the_sidecar_exports_the_counters_under_vllm_names(tiny):
             time.sleep(0.05)
         text = client.get("/metrics").text
     assert stats.spec_num_accepted_tokens > 0
-    assert f"vllm:spec_decode_num_drafts_total {float(stats.spec_num_drafts)}" in text
-    assert f"vllm:spec_decode_num_draft_tokens_total {float(stats.spec_num_draft_tokens)}" in text
-    assert f"vllm:spec_decode_num_accepted_tokens_total {float(stats.spec_num_accepted_tokens)}" in text
+    label = 'model_name="tiny"'
+    assert f"vllm:spec_decode_num_drafts_total{{{label}}} {float(stats.spec_num_drafts)}" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {float(stats.spec_num_draft_tokens)}" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {float(stats.spec_num_accepted_tokens)}" in text
     for position, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
-        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}} {float(count)}' in text
+        assert f'per_pos_total{{{label},position="{position}"}} {float(count)}' in text
 
 
 # --- the real SmolLM2 ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ CASES = [
     ("seed-float", "POST", CHAT, chat(seed=1.5), {}, 400, "seed", "valid integer"),
     ("min-tokens-over-max", "POST", CHAT, chat(max_tokens=2, min_tokens=5), {}, 400, "min_tokens", "<= 2"),
     ("unknown-model", "POST", CHAT, chat(model="gpt-4o"), {}, 404, "model", "'gpt-4o' does not exist"),
-    ("echo", "POST", COMPLETIONS, completion(echo=True), {}, 400, "echo", "not supported"),
+    ("suffix", "POST", COMPLETIONS, completion(suffix="x"), {}, 400, "suffix", "not supported"),
     ("best-of", "POST", COMPLETIONS, completion(best_of=3), {}, 400, "best_of", "not supported"),
     ("empty-prompt", "POST", COMPLETIONS, completion(prompt=[]), {}, 400, "prompt", "must not be empty"),
     ("prompt-float", "POST", COMPLETIONS, completion(prompt=1.5), {}, 400, "prompt", "must be a string, a list of"),

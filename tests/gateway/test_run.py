@@ -139,7 +139,7 @@ async def test_collect_accumulates_text_and_logprobs(tokenizer):
     await run.collect()
     (choice,) = run.choices
     assert choice.seq.text == "one two three four" and choice.finish_reason == "length"
-    assert choice.lp_tokens == ids and choice.lp_values == lps
+    assert choice.token_ids == ids and choice.lp_values == lps
     assert choice.lp_offsets == [len(tokenizer.decode(ids[:j], True)) for j in range(len(ids))]
 
 

@@ -23,8 +23,20 @@ def spawning_gateway(tmp_path_factory) -> Iterator[Proc]:
         "--load-format", "dummy", "--engine-args", "--num-kv-blocks 256", "--max-in-flight", "1",
         "--root-path", "/llm", "--routing", "round-robin",
     )
+    _await_all_replicas(gw)
     yield gw
     gw.stop()
+
+
+def _await_all_replicas(gw: Proc, timeout: float = 120.0) -> None:
+    """/ready answers once one replica is up; the round-robin test needs both (the second can lag on a busy box)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replicas = httpx.get(gw.url + "/ready", timeout=5).json()["replicas"]
+        if len(replicas) == 2 and set(replicas.values()) == {"ready"}:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"replicas not all ready after {timeout}s: {replicas}")
 
 
 def engines_of(gw: Proc) -> list[dict]:
