@@ -9,9 +9,12 @@ For each, batch 1 (the first request) and batch 16: decode output tok/s with and
 and the file's prefix cached before the clock starts) and the mean acceptance length
 (1 + accepted / drafts: tokens per verifying sequence-step). One JSON line each.
 
-Two modes:
+Three modes:
   cpu     (default) the real SmolLM2 GGUF, fp32: real acceptance. Writes the greedy outputs
           (identical with and without speculation; checked) to ``--trace-out`` for the replay.
+  expected-trace  writes a trace of the answers a perfect model would give instead (no model
+          runs): each code_edit answer is the edited file in a code block, each chat answer a
+          README paragraph (prose, little repetition); ``--code-tokens``/``--chat-tokens`` long.
   replay  dummy weights of ``--shape`` (smollm2-135m, llama3-8b) on CUDA, decoding SmolLM2's
           recorded outputs: each step runs the real forward, verification and sampling, then the
           committed tokens are replaced by the trace's (for a draft: its longest prefix that
@@ -204,7 +207,8 @@ def run_grid(make_core, prompts: dict[str, list[list[int]]], max_tokens: dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("cpu", "replay"), default="cpu", help="(default: %(default)s)")
+    parser.add_argument("--mode", choices=("cpu", "expected-trace", "replay"), default="cpu",
+                        help="(default: %(default)s)")
     parser.add_argument("--trace", help="replay: the trace the cpu mode wrote")
     parser.add_argument("--trace-out", help="cpu: where to write the prompts and greedy outputs")
     parser.add_argument("--shapes", default="smollm2-135m,llama3-8b",
@@ -227,6 +231,23 @@ def main() -> None:
             model=model, load_format=load_format, device=args.device, max_num_batched_tokens=2048,
             max_num_seqs=16, speculative="ngram" if spec else None, num_speculative_tokens=k, **settings,
         )
+
+    if args.mode == "expected-trace":
+        from engine.protocol import default_model_path
+        from gateway.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(str(default_model_path()), Path.home() / ".cache" / "kvgate")
+        code = source_file()
+        readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+        prose = [p for p in readme.split("\n\n") if len(p) > 400 and not p.startswith(("|", "```", "#"))]
+        outputs = {
+            "code_edit": [tokenizer.encode(f"```python\n{code.replace(old, new)}```", add_special_tokens=False)
+                          [: args.code_tokens] for old, new in EDITS],
+            "chat": [tokenizer.encode(p, add_special_tokens=False)[: args.chat_tokens] for p in prose[:16]],
+        }
+        assert len(outputs["chat"]) == 16
+        Path(args.trace_out).write_text(json.dumps({"prompts": workloads(tokenizer), "outputs": outputs}))
+        return
 
     if args.mode == "cpu":
         from engine.models.loader import load_model
