@@ -15,15 +15,17 @@ Three modes:
   expected-trace  writes a trace of the answers a perfect model would give instead (no model
           runs): each code_edit answer is the edited file in a code block, each chat answer a
           README paragraph (prose, little repetition); ``--code-tokens``/``--chat-tokens`` long.
-  replay  dummy weights of ``--shape`` (smollm2-135m, llama3-8b) on CUDA, decoding SmolLM2's
-          recorded outputs: each step runs the real forward, verification and sampling, then the
-          committed tokens are replaced by the trace's (for a draft: its longest prefix that
-          matches the trace, then the trace's next token, which is what greedy verification
-          commits for a model that produced the trace). The proposer sees the same tokens, so it
-          drafts as it did with the real model: the acceptance is SmolLM2's, the cost the shape's.
+  replay  dummy weights of ``--shapes`` (smollm2-135m, llama3-8b) on CUDA, decoding a trace's
+          outputs: each step runs the real forward, verification and sampling, then the committed
+          tokens are replaced by the trace's (for a draft: its longest prefix that matches the
+          trace, then the trace's next token, which is what greedy verification commits for a
+          model that produced the trace). The proposer sees the same tokens, so it drafts as it
+          would for that model: the acceptance is the trace's, the cost the shape's.
 
-    .venv/bin/python benchmarks/spec_decode.py --trace-out benchmarks/results/spec_decode_trace.json
-    python3 benchmarks/spec_decode.py --mode replay --trace spec_decode_trace.json --device cuda
+    .venv/bin/python benchmarks/spec_decode.py --trace-out /tmp/spec_decode_trace.json
+    .venv/bin/python benchmarks/spec_decode.py --mode expected-trace --code-tokens 512 --chat-tokens 128 \
+        --trace-out benchmarks/results/spec_decode_expected_trace.json
+    python3 benchmarks/spec_decode.py --mode replay --trace spec_decode_expected_trace.json --device cuda
 """
 
 from __future__ import annotations
@@ -287,7 +289,7 @@ def main() -> None:
             core.runner = ReplayRunner(core.runner, by_id)
             return core
 
-        extra = {"mode": "replay of SmolLM2's cpu trace", "device": device_name, "shape": shape,
+        extra = {"mode": f"replay of {Path(args.trace).name}", "device": device_name, "shape": shape,
                  "cuda_graphs": args.device.startswith("cuda") and not args.enforce_eager}
         run_grid(make_core, prompts, max_tokens, extra, k, check_identical=False)
         if args.device.startswith("cuda"):
