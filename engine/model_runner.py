@@ -65,8 +65,7 @@ class ModelRunner:
         self.sampler = Sampler(config.eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
-        # Decode steps with drafts, by query length per row (2 and 1 + K): the shortest that fits runs.
-        self.verify_graphs: list[DecodeGraphs] = []
+        self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row
 
     def _new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -139,13 +138,12 @@ class ModelRunner:
         )
         with torch.inference_mode():
             graph_bytes = self.decode_graphs.capture()
-            for query_len in sorted({2, 1 + self.num_speculative_tokens} if self.num_speculative_tokens else ()):
-                graphs = DecodeGraphs(
+            if self.num_speculative_tokens:
+                self.verify_graphs = DecodeGraphs(
                     self.model, self.kv_caches, self.device, self.block_size, self.max_blocks_per_seq,
-                    decode_buckets(self.max_num_seqs), capture=True, query_len=query_len,
+                    decode_buckets(self.max_num_seqs), capture=True, query_len=1 + self.num_speculative_tokens,
                 )
-                graph_bytes += graphs.capture()
-                self.verify_graphs.append(graphs)
+                graph_bytes += self.verify_graphs.capture()
         return graph_bytes
 
     # --- one step --------------------------------------------------------------------------------
@@ -154,11 +152,10 @@ class ModelRunner:
         """Run one step; sample for every sequence whose known tokens are now all computed (and
         verify the drafts of those that have one). The prefill chunks of sequences that need
         prompt logprobs get them here (eagerly, never in a graph)."""
-        verify_graphs = self._verify_graphs(scheduled) if any(seq.draft_ids for seq, _ in scheduled) else None
-        if verify_graphs is not None:
+        if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
             seqs = [seq for seq, _ in scheduled]
-            q = verify_graphs.query_len
-            logits = verify_graphs.run(seqs).logits
+            q = self.verify_graphs.query_len
+            logits = self.verify_graphs.run(seqs).logits
             rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
             return self._verified(logits[torch.tensor(rows, device=self.device)], seqs)
         graphs = self.decode_graphs
@@ -192,13 +189,13 @@ class ModelRunner:
             for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
         ]
 
-    def _verify_graphs(self, scheduled: list[ScheduledSeq]) -> DecodeGraphs | None:
-        """The verification graphs with the fewest queries per row that run this step, if every
-        sequence decodes (its last token, and its draft if any) and fits them; else None."""
-        if not all(n == 1 + len(s.draft_ids) and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled):
-            return None
-        seqs = [seq for seq, _ in scheduled]
-        return next((graphs for graphs in self.verify_graphs if graphs.fits(seqs)), None)
+    def _verifies_in_graph(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the verification graphs run this step: every sequence decodes (its last token,
+        and its draft if any) and fits them."""
+        graphs = self.verify_graphs
+        return graphs is not None and all(
+            n == 1 + len(seq.draft_ids) and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled
+        ) and graphs.fits([seq for seq, _ in scheduled])
 
     def _verified(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         return [SampledToken(seq, t.token_id, t.logprob)

@@ -115,10 +115,10 @@ def test_speculative_greedy_tokens_agree_with_hf_with_verification_graphs(monkey
     torch.cuda.empty_cache()
     core = make_core(gpu_memory_utilization=UTILIZATION, speculative="ngram", num_speculative_tokens=4, ngram_min=1)
     graphs = core.runner.verify_graphs
-    assert [g.query_len for g in graphs] == [2, 5]
+    assert graphs is not None and graphs.query_len == 5
     replays = []
-    for g in graphs:
-        monkeypatch.setattr(g, "run", lambda seqs, run=g.run: replays.append(len(seqs)) or run(seqs))
+    run_graphs = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda seqs: replays.append(len(seqs)) or run_graphs(seqs))
     assert agreement_with_hf(core, periodic_prompts(0)) >= 0.95
     assert len(replays) > 10 and core.stats().spec_num_draft_tokens > 0
     del core

@@ -282,14 +282,13 @@ def test_the_padded_graph_buffers_verify_as_the_eager_path_does(tiny, monkeypatc
     core = tiny_engine(tiny, spec=True)
     runner = core.runner
     graphs = [DecodeGraphs(runner.model, runner.kv_caches, runner.device, runner.block_size, runner.max_blocks_per_seq,
-                           decode_buckets(16), capture=False, query_len=q) for q in (1, 2, 5)]
-    runner.decode_graphs, runner.verify_graphs = graphs[0], graphs[1:]
-    verify_runs = {2: [], 5: []}
-    for g in graphs[1:]:
-        runs = verify_runs[g.query_len]
-        monkeypatch.setattr(g, "run", lambda seqs, runs=runs, replay=g.run: runs.append(len(seqs)) or replay(seqs))
+                           decode_buckets(16), capture=False, query_len=q) for q in (1, 5)]
+    runner.decode_graphs, runner.verify_graphs = graphs
+    verify_runs = []
+    run_verify = graphs[1].run
+    monkeypatch.setattr(graphs[1], "run", lambda seqs: verify_runs.append(len(seqs)) or run_verify(seqs))
     assert_same(run(core, requests), plain)
-    assert len(verify_runs[2]) > 5 and len(verify_runs[5]) > 10 and max(verify_runs[5]) > 1  # the shortest that fits
+    assert len(verify_runs) > 20 and max(verify_runs) > 1
 
 
 def test_preemption_and_abort_with_speculation_keep_outputs_and_the_pool_exact(tiny):
