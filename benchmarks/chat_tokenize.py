@@ -44,7 +44,7 @@ def main() -> None:
     hf = load_hf_tokenizer(str(default_model_path()), CACHE_DIR)
     workload = Workload(WorkloadConfig(seed=args.seed, turns=args.turns))
     conversations = [workload.agent(i) for i in range(args.conversations)]
-    ours, whole = Tokenizer(hf), Tokenizer(hf, conversation_cache_tokens=0)
+    ours, whole = Tokenizer(hf), Tokenizer(hf, cache_bytes=0)
 
     def peer(messages: list[dict]) -> list[int]:
         return list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))

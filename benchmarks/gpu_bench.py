@@ -5,9 +5,14 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
   ttft        (e) first-batch vs steady-state TTFT at 1, 2, 4, 8 concurrent 512-token prompts (8B shape),
               run first, right after warmup, so the first batch is the engine's first request
   decode_b1   (a) batch-1 decode tok/s and fraction of copy bandwidth, Llama-3-8B and SmolLM2 shapes,
-              against a gpt-fast-style compiled PyTorch decode of the same weights and HF generate
+              against a gpt-fast-style compiled PyTorch decode of the same weights and HF generate; the
+              Qwen3-8B shape (q/k norms) against copy bandwidth alone (the peers are Llama-only)
   cont_batch  (b) 64 requests × 512 in × 256 out, greedy, against HF ``generate_batch`` (sdpa)
   prefill_8k  (d) one 8K-token prompt: TFLOP/s (all matmuls and causal attention) against HF sdpa
+  hybrid      Gemma-3-12B shape (5 sliding-window layers of 1024 keys to each global one): decode step
+              tok/s at batch 1 and 64 over 8K and 32K contexts, window layers reading only their window,
+              against the same model with every layer global (one CUDA graph per case, the pages shared by
+              every row so that batch 64 x 32K fits; both read the same bytes per key)
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
@@ -35,15 +40,19 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.hf_twin import hf_twin
+from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore
 from engine.logs import configure_logging
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_model
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.warmup import warmup
+from kernels import load_ops
 from loadtest.stamp import emit
 
-SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "offline")
+SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "hybrid", "offline")
+MODELS = ("llama3-8b", "smollm2-135m", "qwen3-8b")
 START = time.perf_counter()
 
 
@@ -353,7 +362,8 @@ def bench_decode_b1_peers(
         return round(rate * bytes_per_token / bandwidth, 3)
 
     compiled = hf = None
-    if budget.allows("decode_b1", "torch_compile", 45):
+    llama = shape.config.architecture == "llama"
+    if llama and budget.allows("decode_b1", "torch_compile", 45):
         t0 = time.perf_counter()
         peer = CompiledDecode(model, 128 + new_tokens + 8)
         peer.decode(prompt, 8)
@@ -364,7 +374,7 @@ def bench_decode_b1_peers(
         emit(bench="decode_b1", model=name, peer="torch_compile", tok_s=round(compiled, 1),
              fraction_of_copy_bandwidth=fraction(compiled), setup_s=round(compile_s, 1),
              first_tokens_agree_with_ours=sum(a == b for a, b in zip(first, ours_first)))
-    if budget.allows("decode_b1", "hf_generate", 25):
+    if llama and budget.allows("decode_b1", "hf_generate", 25):
         twin = hf_twin(model)
         hf = hf_decode_b1(twin, prompt, 32 if name == "llama3-8b" else 64)
         del twin
@@ -382,6 +392,8 @@ def bench_decode_b1_peers(
     if name == "llama3-8b":
         summary.update(goal=">= 0.85 of copy bandwidth and >= 1.33x torch.compile",
                        met=fraction(ours) >= 0.85 and bool(compiled) and ours >= 1.33 * compiled)
+    elif name == "qwen3-8b":
+        summary.update(goal=">= 0.85 of copy bandwidth", met=fraction(ours) >= 0.85)
     else:
         summary.update(goal=">= 2000 tok/s", met=ours >= 2000)
     emit(**summary)
@@ -527,6 +539,82 @@ def bench_offline(bandwidth: float, peak: float, budget: Budget) -> None:
 # --- the run -----------------------------------------------------------------------------------
 
 
+# --- hybrid: sliding-window layers against all-global ---------------------------------------------
+
+
+class DecodeStep:
+    """One decode step of ``batch`` sequences of ``context`` tokens (model, LM head, argmax) in a
+    CUDA graph. Every row's block table names the same pages: attention reads each row's keys as it
+    would its own (the same bytes, per row), while the pool holds one context."""
+
+    def __init__(self, model, kv_caches, batch: int, context: int, block_size: int):
+        dev = torch.device("cuda")
+        blocks = -(-context // block_size)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev).repeat(batch, 1)
+        last = context - 1
+        self.attn = AttentionMetadata(
+            block_tables=table, seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((batch,), last, dtype=torch.int64, device=dev),
+            seq_lens_cpu=[context] * batch, query_start_loc_cpu=list(range(batch + 1)),
+            max_query_len=1, max_seq_len=context,
+        )
+        self.ids = torch.randint(300, 12000, (batch,), device=dev)
+        self.positions = torch.full((batch,), last, dtype=torch.int64, device=dev)
+        self.model, self.kv_caches = model, kv_caches
+        for _ in range(2):  # compile and autotune every kernel, then capture
+            self.forward()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.forward()
+
+    def forward(self) -> torch.Tensor:
+        hidden = self.model(self.ids, self.positions, self.attn, self.kv_caches)
+        return self.model.compute_logits(hidden).argmax(-1)
+
+    def ms(self) -> float:
+        return median_ms(self.graph.replay, reps=20)
+
+
+def bench_hybrid(budget: Budget) -> None:
+    name = "gemma3-12b"
+    model, config = load_model(name, "dummy", "cuda", torch.bfloat16, load_ops("triton"))
+    block_size = 16
+    contexts, batches = (8192, 32768), (1, 64)
+    shape = (max(contexts) // block_size, block_size, config.num_kv_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                  torch.zeros(shape, dtype=torch.bfloat16, device="cuda")) for _ in range(config.num_layers)]
+    attentions = [layer.self_attn for layer in model.model.layers]
+    windows = [a.window for a in attentions]
+    for context in contexts:
+        for batch in batches:
+            if not budget.allows("hybrid", f"{context}x{batch}", 20):
+                continue
+            ms = {}
+            for mode in ("window", "all_global"):
+                for attention, window in zip(attentions, windows):
+                    attention.window = window if mode == "window" else 0
+                step = DecodeStep(model, kv_caches, batch, context, block_size)
+                ms[mode] = step.ms()
+                del step
+                free_cuda()
+            speedup = ms["all_global"] / ms["window"]
+            record = dict(
+                bench="hybrid", model=name, context=context, batch=batch,
+                window_tok_s=round(batch / ms["window"] * 1e3, 1), window_ms=round(ms["window"], 3),
+                all_global_tok_s=round(batch / ms["all_global"] * 1e3, 1), all_global_ms=round(ms["all_global"], 3),
+                speedup=round(speedup, 2),
+            )
+            if context == 32768 and batch == 64:
+                record.update(goal="decode >= 1.5x all-global at batch 64, 32K", met=speedup >= 1.5)
+            emit(**record)
+    for attention, window in zip(attentions, windows):
+        attention.window = window
+    del model, kv_caches
+    free_cuda()
+
+
 def guarded(name: str, fn: Callable[[], object]) -> None:
     try:
         fn()
@@ -538,7 +626,7 @@ def guarded(name: str, fn: Callable[[], object]) -> None:
 def bench_model(name: str, settings: dict, sections: set[str], bandwidth: float, budget: Budget) -> None:
     core = make_engine(name, **settings)
     shape = Shape(core.model_config)
-    cb_peer_s = {"llama3-8b": 50, "smollm2-135m": 35}[name]
+    cb_peer_s = {"llama3-8b": 50, "smollm2-135m": 35}.get(name, 0)
     if "ttft" in sections and name == "llama3-8b":
         guarded("ttft", lambda: bench_ttft(core))
     b1 = cb = pf = None
@@ -567,6 +655,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420,
                         help="skip peers that would end past this (default: 420)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated subset of {','.join(MODELS)} for the engine sections")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device")
@@ -578,12 +668,19 @@ def main() -> None:
     budget = Budget(args.budget_s)
     bandwidth, peak = measure_device()
     engine = dict(max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
-    if sections & {"ttft", "decode_b1", "cont_batch", "prefill_8k"}:
+    models = set(args.models.split(","))
+    if sections & {"ttft", "decode_b1", "cont_batch", "prefill_8k"} and "llama3-8b" in models:
         guarded("llama3-8b",
                 lambda: bench_model("llama3-8b", {**engine, "max_model_len": 8192}, sections, bandwidth, budget))
-    if sections & {"decode_b1", "cont_batch"} and budget.allows("smollm2-135m", "ours", 40):
+    small = "smollm2-135m"
+    if sections & {"decode_b1", "cont_batch"} and small in models and budget.allows(small, "ours", 40):
         guarded("smollm2-135m",
                 lambda: bench_model("smollm2-135m", {**engine, "max_model_len": 2048}, sections, bandwidth, budget))
+    if "decode_b1" in sections and "qwen3-8b" in models and budget.allows("qwen3-8b", "ours", 40):
+        guarded("qwen3-8b",
+                lambda: bench_model("qwen3-8b", {**engine, "max_model_len": 2048}, {"decode_b1"}, bandwidth, budget))
+    if "hybrid" in sections and budget.allows("hybrid", "ours", 60):
+        guarded("hybrid", lambda: bench_hybrid(budget))
     if "offline" in sections and budget.allows("offline", "ours", 50):
         guarded("offline", lambda: bench_offline(bandwidth, peak, budget))
     emit(bench="done", seconds=round(time.perf_counter() - START, 1))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
 from engine.config import EngineConfig
 from engine.logs import LOG_LEVELS, configure_logging
+from engine.protocol import ENGINE_TOKEN_ENV, read_engine_token
 
 _SHOWN = " (default: %(default)s)"
 
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the engine sidecar (HTTP: /generate, /abort, /health, /stats, /metrics)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address" + _SHOWN)
     serve.add_argument("--port", type=int, default=8100, help="bind port" + _SHOWN)
+    serve.add_argument("--engine-token-file", metavar="FILE",
+                       help=f"file holding the shared secret that every endpoint but /health requires as "
+                            f"'Authorization: Bearer <token>' (or the secret itself in ${ENGINE_TOKEN_ENV}; the "
+                            "flag wins); required unless --host is a loopback address")
     _add_model_flags(serve, serve=True)
     gen = sub.add_parser(
         "generate",
@@ -87,9 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from engine.server import serve
+        from engine.server import is_loopback, serve
 
-        serve(config, args.host, args.port)
+        try:
+            token = read_engine_token(args.engine_token_file, os.environ)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if token is None and not is_loopback(args.host):
+            print(f"error: --host {args.host} is not a loopback address: give --engine-token-file or "
+                  f"{ENGINE_TOKEN_ENV}, or anyone who reaches the port can read every tenant's cache",
+                  file=sys.stderr)
+            return 2
+        serve(config, args.host, args.port, token)
         return 0
     from engine.core import EngineCore
     from engine.offline import run_offline

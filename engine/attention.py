@@ -25,6 +25,12 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # With layer groups (engine.kv_groups): each group's metadata (its block tables and slots)
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata of layer group ``index`` (this one without groups)."""
+        return self.groups[index] if self.groups else self
 
     @property
     def fused_decode(self) -> bool:

@@ -10,10 +10,62 @@ from typing import Any
 
 from engine.protocol import DEFAULT_GGUF_NAME, DEFAULT_MODEL_NAME, LOAD_FORMATS
 
+# Model families: the ``architecture`` of a ModelConfig (the classes are in engine.models).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Hugging Face config.json ``model_type`` -> architecture (Mistral is a Llama with a sliding window).
+HF_MODEL_TYPES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma3_text": "gemma3", "gemma3": "gemma3",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# Each family's MLP activation: checkpoints that name another are rejected.
+HIDDEN_ACTS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3": "gelu_pytorch_tanh"}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Long-context RoPE scaling: HF ``rope_parameters`` (``rope_scaling`` before transformers 5)
+    of type linear, llama3 or yarn, without the base."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin scale; None: from factor (and mscale)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: whole dimensions at the ramp's ends
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(f"RoPE type {self.rope_type!r} is not supported (expected one of {ROPE_TYPES})")
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ValueError(f"RoPE type {self.rope_type!r} needs original_max_position_embeddings")
+
+    @classmethod
+    def from_hf(cls, rope: dict) -> RopeScaling | None:
+        """From an HF RoPE dict; None for plain RoPE. Raises ValueError naming an unknown type or key."""
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (expected one of {ROPE_TYPES})")
+        if rope_type == "default":
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(rope) - known - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        if unknown:
+            raise ValueError(f"RoPE setting {unknown[0]!r} of type {rope_type!r} is not supported")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+        return cls(rope_type=rope_type, **{k: v for k, v in rope.items() if k in known - {"rope_type"}})
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder."""
+    """Shape of a decoder of one of the ARCHITECTURES, with its per-layer attention kinds."""
 
     name: str
     vocab_size: int
@@ -29,41 +81,125 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    # Per layer FULL_ATTENTION or SLIDING_ATTENTION; () is all full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    local_rope_theta: float | None = None  # sliding layers' RoPE base (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported (expected one of {ARCHITECTURES})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if bad:
+                raise ValueError(f"layer type {sorted(bad)[0]!r} is not supported")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees (its own included), 0 for all of them."""
+        sliding = self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION
+        return self.sliding_window if sliding else 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        if self.layer_window(layer) and self.local_rope_theta is not None:
+            return self.local_rope_theta
+        return self.rope_theta
 
     @classmethod
     def from_hf(cls, hf: dict, name: str) -> ModelConfig:
-        """From a Hugging Face ``config.json`` dict (LlamaConfig / Qwen2-style keys)."""
+        """From a Hugging Face ``config.json`` dict; raises ValueError naming an unsupported
+        ``model_type`` or setting, KeyError naming a missing one."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported (expected one of {sorted(HF_MODEL_TYPES)})")
+        if model_type == "gemma3":  # the multimodal config: its text model is what we serve
+            hf = hf["text_config"] if "text_config" in hf else hf
+        arch = HF_MODEL_TYPES[model_type]
+        act = hf.get("hidden_activation", hf.get("hidden_act", HIDDEN_ACTS[arch]))
+        unsupported = {
+            "hidden_act": (act, HIDDEN_ACTS[arch]),
+            "attention_bias": (hf.get("attention_bias", False), False),
+            "mlp_bias": (hf.get("mlp_bias", False), False),
+        }
+        if arch == "gemma3":
+            unsupported |= {key: (hf.get(key), None) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+            unsupported["use_bidirectional_attention"] = (hf.get("use_bidirectional_attention", False), False)
+        for key, (value, supported) in unsupported.items():
+            if value != supported:
+                raise ValueError(f"{key}={value!r} is not supported (expected {supported!r})")
         eos = hf.get("eos_token_id")
         num_heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
+        # transformers 5 nests RoPE settings in rope_parameters (per layer type for Gemma 3); 4.x
+        # used rope_theta (rope_local_base_freq) + rope_scaling.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        local_rope = None
+        if FULL_ATTENTION in rope:
+            rope, local_rope = rope[FULL_ATTENTION], rope.get(SLIDING_ATTENTION)
+        if local_rope and RopeScaling.from_hf(local_rope) is not None:
+            raise ValueError("RoPE scaling of sliding_attention layers is not supported")
+        window = hf.get("sliding_window")
+        layer_types = hf.get("layer_types")
+        if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            layer_types, window = None, None  # Qwen configs name a window they do not use
+        elif arch == "gemma3" and not layer_types:
+            pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+            layer_types = [FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)]
+        elif window and not layer_types:  # Mistral: every layer slides
+            layer_types = [SLIDING_ATTENTION] * num_layers
+        if arch in ("qwen2", "qwen3") and layer_types and SLIDING_ATTENTION in layer_types:
+            raise ValueError("use_sliding_window=True is not supported for Qwen models")
+        default_theta = 1_000_000.0 if arch == "gemma3" else 10000.0
         return cls(
             name=name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            # transformers 5 nests it under rope_parameters; older configs keep it at the top
-            rope_theta=(hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6 if arch == "gemma3" else 1e-5),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", default_theta)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "gemma3"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            architecture=arch,
+            rope_scaling=RopeScaling.from_hf(rope),
+            layer_types=tuple(layer_types or ()),
+            sliding_window=window if layer_types else None,
+            **(_gemma3_hf_settings(hf, local_rope) if arch == "gemma3" else {}),
         )
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelConfig:
+        """The inverse of :meth:`to_json` (a dict of the fields)."""
+        data = dict(data)
+        for key in ("eos_token_ids", "layer_types"):
+            data[key] = tuple(data.get(key, ()))
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     def to_hf(self) -> dict:
-        """Hugging Face ``LlamaConfig`` keyword arguments of this shape (transformers 5 layout)."""
+        """Hugging Face ``LlamaConfig`` keyword arguments of this shape (transformers 5 layout);
+        for a plain Llama (no window, no RoPE scaling)."""
+        if self.architecture != "llama" or self.layer_types or self.rope_scaling is not None:
+            raise ValueError(f"to_hf describes a plain Llama, not {self.name!r}")
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -82,6 +218,14 @@ class ModelConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+def _gemma3_hf_settings(hf: dict, local_rope: dict | None) -> dict:
+    """Gemma 3's local RoPE base and query scale, with transformers' defaults."""
+    return {
+        "local_rope_theta": (local_rope or {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0)),
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+    }
 
 
 # Named shapes for --load-format dummy (random weights of real shapes, for benchmarks and tests).
@@ -114,6 +258,21 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=None, eos_token_ids=(151645,),
     ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_ids=(151645,), architecture="qwen3",
+    ),
+    # Gemma 3 12B's text model: 5 sliding-window layers (1024 keys) to each global one.
+    "gemma3-12b": ModelConfig(
+        name="gemma3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+        num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=2, eos_token_ids=(1, 106),
+        architecture="gemma3", rope_scaling=RopeScaling("linear", 8.0),
+        layer_types=tuple(FULL_ATTENTION if (i + 1) % 6 == 0 else SLIDING_ATTENTION for i in range(48)),
+        sliding_window=1024, local_rope_theta=10000.0, query_pre_attn_scalar=256,
+    ),
 }
 
 
@@ -131,8 +290,7 @@ def dummy_config(spec: str) -> ModelConfig:
     if "num_hidden_layers" in data:
         return ModelConfig.from_hf(data, name=path.stem)
     data.setdefault("name", path.stem)
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    return ModelConfig(**data)
+    return ModelConfig.from_json(data)
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -217,7 +375,8 @@ class EngineConfig:
               f"{DEFAULT_MODEL_NAME} for the default GGUF, else a dummy shape's name, a file's stem or a "
               "directory's name)", metavar="NAME")
     # serve only: offline runs publish nothing
-    index_url: str | None = _flag(None, "publish KV cache events to this prefix index (redis://host:6379/0); "
+    index_url: str | None = _flag(None, "publish KV cache events to this prefix index (redis://host:6379/0, or "
+                                  "redis+cluster://host:6379,host:6379 on a Redis Cluster); "
                                   "default: none", serve_only=True)
     replica_id: str = _flag("engine-0", "this engine's id in the prefix index and /stats", serve_only=True)
 

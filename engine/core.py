@@ -17,6 +17,7 @@ import torch
 
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
+from engine.kv_groups import HybridKVCacheManager, kv_layout
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.protocol import (
     EngineStats,
@@ -51,6 +52,7 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 class EngineCounters:
     steps: int = 0
     busy_seconds: float = 0.0
+    computed_tokens: int = 0
 
 
 class Runner(Protocol):
@@ -76,9 +78,17 @@ class EngineCore:
         self.device, self.dtype, self.max_model_len = runner.device, runner.dtype, runner.max_model_len
         num_blocks = self._num_kv_blocks()
         runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, record_events=config.index_url is not None,
-            max_entries=int(num_blocks * config.max_entries_fraction),
+        layout = kv_layout(model_config)
+        if config.speculative is not None and layout.hybrid:
+            # Rolling back rejected drafts is implemented for the single-group pool only.
+            raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
+        record_events = config.index_url is not None
+        # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
+        self.kv: KVCacheManager | HybridKVCacheManager = (
+            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events)
+            if layout.hybrid else
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
+                           max_entries=int(num_blocks * config.max_entries_fraction))
         )
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
@@ -99,6 +109,7 @@ class EngineCore:
             kv_tokens=num_blocks * config.block_size,
             kv_gib=round(num_blocks * kv_bytes_per_block(model_config, config.block_size, self.dtype) / 2**30, 3),
             max_model_len=self.max_model_len,
+            kv_group_windows=list(layout.group_windows),  # a page holds a block of one group's layers
         )
 
     @classmethod
@@ -238,6 +249,7 @@ class EngineCore:
                 self._retire(seq.request_id)
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - t0
+        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         return frames
 
     def take_queue_times(self) -> list[float]:
@@ -310,6 +322,7 @@ class EngineCore:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             kv_usage=round(kv.usage, 4),
+            num_cached_blocks=kv.num_cached_blocks,
             prefix_hit_rate=round(kv.prefix_hit_rate, 4),
             num_position_entries=len(kv.entries),
             num_preemptions=self.scheduler.num_preemptions,
@@ -317,6 +330,9 @@ class EngineCore:
             prefill_pack_tokens=self.scheduler.prefill_pack_tokens,
             max_num_seqs=self.config.max_num_seqs,
             total_busy_seconds=self.counters.busy_seconds,
+            num_waiting_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                   for s in (*self.scheduler.waiting, *self.scheduler.running)),
+            total_computed_tokens=self.counters.computed_tokens,
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

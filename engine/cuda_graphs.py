@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import FUSED_DECODE_MAX_CONTEXT, AttentionMetadata
+from engine.kv_groups import group_tables
 from engine.request import Sequence
 
 
@@ -59,9 +60,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         buckets: list[int],
         capture: bool,
+        num_groups: int = 1,
         query_len: int = 1,
     ):
+        """``num_groups``: the KV layer groups (engine.kv_groups), each with its own block tables
+        and slots."""
         self.model = model
+        self.num_groups = num_groups
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
@@ -76,21 +81,28 @@ class DecodeGraphs:
                                       self.capacity})
         width = -(-self.max_batch_size * q // _ROW_ALIGN) * _ROW_ALIGN
         pin = device.type == "cuda"
-        # Host staging: filled with numpy, copied to the device in three transfers per step.
-        self._host_ids = torch.zeros((3, width), dtype=torch.int64, pin_memory=pin)
+        # Host staging: filled with numpy, copied to the device in three transfers per step. The id
+        # rows: input ids, positions, then each group's slots.
+        self._host_ids = torch.zeros((2 + num_groups, width), dtype=torch.int64, pin_memory=pin)
         self._host_seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, pin_memory=pin)
-        self._host_tables = torch.zeros((self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(
+            (num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
+        )
         self._np_ids, self._np_seq_lens, self._np_tables = (
             self._host_ids.numpy(), self._host_seq_lens.numpy(), self._host_tables.numpy()
         )
-        # Per staging row: the block list it was filled from and how many of its ids it holds. A
-        # sequence's list only grows while the sequence holds its blocks (freeing them replaces
-        # the list), so a row is rewritten only from where it changed.
-        self._table_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_batch_size
-        self._ids = torch.zeros((3, width), dtype=torch.int64, device=device)
-        self._ids[2].fill_(-1)
+        # Per group and staging row: the block list it was filled from and how many of its ids it
+        # holds. A sequence's list only grows while the sequence holds its blocks (freeing them
+        # replaces the list; a window group's entries before the window, which attention never
+        # reads, may go stale), so a row is rewritten only from where it changed.
+        self._table_rows: list[list[tuple[list[int] | None, int]]] = [
+            [(None, 0)] * self.max_batch_size for _ in range(num_groups)
+        ]
+        self._ids = torch.zeros((2 + num_groups, width), dtype=torch.int64, device=device)
+        self._ids[2:].fill_(-1)
         self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
-        self._tables = torch.zeros((self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._tables = torch.zeros((num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32,
+                                   device=device)
         self._query_start_loc = torch.arange(0, (self.max_batch_size + 1) * q, q, dtype=torch.int32, device=device)
         # Every graph writes its logits here: one [max batch * q, vocab] buffer, not one per graph.
         self._logits = torch.empty((self.max_batch_size * q, model.config.vocab_size), dtype=torch.float32,
@@ -114,21 +126,27 @@ class DecodeGraphs:
     def skip_kv_stores(self) -> None:
         """Until the next ``run``, replays store no K/V (every slot -1), so replaying the last
         step's inputs again leaves the cache as it was."""
-        self._ids[2].fill_(-1)
+        self._ids[2:].fill_(-1)
 
     def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
         q = self.query_len
         num_tokens = batch_size * q
-        attn = AttentionMetadata(
-            block_tables=self._tables[:batch_size],
-            seq_lens=self._seq_lens[:batch_size],
-            query_start_loc=self._query_start_loc[: batch_size + 1],
-            slot_mapping=self._ids[2, :num_tokens],
-            seq_lens_cpu=seq_lens_cpu,
-            query_start_loc_cpu=list(range(0, num_tokens + 1, q)),
-            max_query_len=q,
-            max_seq_len=context_bound,
+        groups = tuple(
+            AttentionMetadata(
+                block_tables=self._tables[group, :batch_size],
+                seq_lens=self._seq_lens[:batch_size],
+                query_start_loc=self._query_start_loc[: batch_size + 1],
+                slot_mapping=self._ids[2 + group, :num_tokens],
+                seq_lens_cpu=seq_lens_cpu,
+                query_start_loc_cpu=list(range(0, num_tokens + 1, q)),
+                max_query_len=q,
+                max_seq_len=context_bound,
+            )
+            for group in range(self.num_groups)
         )
+        attn = groups[0]
+        if self.num_groups > 1:
+            attn.groups = groups
         hidden = self.model(self._ids[0, :num_tokens], self._ids[1, :num_tokens], attn, self.kv_caches)
         logits = self.model.compute_logits(hidden, out=self._logits[:num_tokens])
         return DecodeOutput(logits, self.model.ops.argmax(logits))
@@ -173,34 +191,36 @@ class DecodeGraphs:
         bs = self.block_size
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
-            blocks = seq.block_ids
+            seq_lens[i] = pos + q
             if q == 1:
                 ids[0, i] = seq.all_token_ids[pos]
                 ids[1, i] = pos
-                ids[2, i] = blocks[pos // bs] * bs + pos % bs
             else:
                 tokens = [seq.all_token_ids[pos], *seq.draft_ids]
                 row = slice(i * q, (i + 1) * q)
                 ids[0, row] = tokens + [0] * (q - len(tokens))
                 ids[1, row] = range(pos, pos + q)
-                ids[2, row] = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + len(tokens))] + \
-                    [-1] * (q - len(tokens))
-            seq_lens[i] = pos + q
-            held, written = self._table_rows[i]
-            if held is not blocks:
-                written = 0
-            if written < len(blocks):
-                tables[i, written : len(blocks)] = blocks[written:]
-                self._table_rows[i] = (blocks, len(blocks))
+            for group, blocks in enumerate(group_tables(seq)):
+                if q == 1:
+                    ids[2 + group, i] = blocks[pos // bs] * bs + pos % bs
+                else:
+                    ids[2 + group, row] = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + len(tokens))] + \
+                        [-1] * (q - len(tokens))
+                held, written = self._table_rows[group][i]
+                if held is not blocks:
+                    written = 0
+                if written < len(blocks):
+                    tables[group, i, written : len(blocks)] = blocks[written:]
+                    self._table_rows[group][i] = (blocks, len(blocks))
         key = self.graph_key(n, int(seq_lens[:n].max()))
         batch_size = key[0]
         ids[0, n * q : batch_size * q] = 0
         ids[1, n * q : batch_size * q] = list(range(q)) * (batch_size - n)
-        ids[2, n * q : batch_size * q] = -1
+        ids[2:, n * q : batch_size * q] = -1
         seq_lens[n:batch_size] = 0 if q == 1 else q
         self._ids.copy_(self._host_ids, non_blocking=True)
         self._seq_lens[:batch_size].copy_(self._host_seq_lens[:batch_size], non_blocking=True)
-        self._tables[:n].copy_(self._host_tables[:n], non_blocking=True)
+        self._tables[:, :n].copy_(self._host_tables[:, :n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if self.capture_graphs:

@@ -187,6 +187,11 @@ class KVCacheManager:
         return len(self.free_queue)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix (in use or evictable)."""
+        return len(self.cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / self.num_blocks
 

@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.kv_groups import group_tables, kv_layout
 from engine.prompt_logprobs import collect_prompt_logprobs
 from engine.protocol import SamplingParams
 from engine.request import Sequence
@@ -29,8 +30,10 @@ class MemoryProfile(NamedTuple):
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page of the pool: a block of tokens for the layers of one group (all layers,
+    without sliding windows; see engine.kv_groups)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * kv_layout(config).group_size * block_size * config.num_kv_heads * config.head_dim * element
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -61,28 +64,34 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Graph replays use block tables of this full width, so one graph serves any context length.
         self.max_blocks_per_seq = _ceil_div(max_model_len, block_size)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layout = kv_layout(config)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (groups share tensors)
+        self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's group_size tensors
         self.sampler = Sampler(config.eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row
 
-    def _new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         return [
             tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
-            for _ in range(self.config.num_layers)
+            for _ in range(self.layout.group_size)
         ]
 
+    def _per_layer(self, pages: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [pages[slot] for slot in self.layout.layer_slot]
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self._new_kv_caches(num_blocks)
+        self.kv_pages = self._new_kv_pages(num_blocks)
+        self.kv_caches = self._per_layer(self.kv_pages)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV pages ``src -> dst`` in every layer, queued on the device (no sync): all
         sources are gathered before any destination is written."""
         src, dst = torch.tensor(list(zip(*pairs)), dtype=torch.int64).to(self.device, non_blocking=True)
-        for cache in self.kv_caches:
+        for cache in self.kv_pages:
             for layer in cache:
                 layer.index_copy_(0, dst, layer.index_select(0, src))
 
@@ -99,7 +108,8 @@ class ModelRunner:
 
         max_len = self.max_blocks_per_seq * self.block_size
         lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        kv_caches = self._new_kv_caches(sum(_ceil_div(n, self.block_size) for n in lens))
+        # every layer group reads the same tables: a scratch cache sized for one
+        kv_caches = self._per_layer(self._new_kv_pages(sum(_ceil_div(n, self.block_size) for n in lens)))
         tables = np.zeros((len(lens), max(_ceil_div(n, self.block_size) for n in lens)), dtype=np.int32)
         slots, positions, first = [], [], 0
         for i, n in enumerate(lens):
@@ -134,7 +144,7 @@ class ModelRunner:
         returns the bytes the graphs and their static buffers hold."""
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, self.device, self.block_size, self.max_blocks_per_seq,
-            decode_buckets(self.max_num_seqs), capture=True,
+            decode_buckets(self.max_num_seqs), capture=True, num_groups=len(self.layout.group_windows),
         )
         with torch.inference_mode():
             graph_bytes = self.decode_graphs.capture()
@@ -217,14 +227,32 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
 
+    def _group_metadata(
+        self, scheduled: list[ScheduledSeq], seq_lens: list[int], query_start: list[int], max_query_len: int
+    ) -> AttentionMetadata:
+        """Group 0's metadata, holding every group's (block tables and slots of its own blocks)."""
+        bs = self.block_size
+        groups = []
+        for group in range(len(self.layout.group_windows)):
+            tables = [group_tables(seq)[group] for seq, _ in scheduled]
+            block_tables = np.zeros((len(scheduled), max(map(len, tables))), dtype=np.int32)
+            slots: list[int] = []
+            for i, ((seq, num_new), table) in enumerate(zip(scheduled, tables)):
+                block_tables[i, : len(table)] = table
+                start = seq.num_computed_tokens
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
+            groups.append(self._metadata(block_tables, seq_lens, query_start, slots, max_query_len))
+        if len(groups) == 1:
+            return groups[0]
+        groups[0].groups = tuple(groups)
+        return groups[0]
+
     def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
         the rows to sample (the last token of each sequence that is now fully computed, and each
         of its draft tokens) and their sequences."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         seq_lens: list[int] = []
         query_start = [0]
         sample_rows: list[int] = []
@@ -236,19 +264,14 @@ class ModelRunner:
             input_ids.extend(seq.all_token_ids[start : end - len(drafts)])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
-            block_ids = seq.block_ids
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + num_new)
             if end == seq.num_tokens + len(drafts):
                 sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
                 sampling_seqs.append(seq)
 
-        block_tables = np.zeros((len(scheduled), max(len(seq.block_ids) for seq, _ in scheduled)), dtype=np.int32)
-        for i, (seq, _) in enumerate(scheduled):
-            block_tables[i, : len(seq.block_ids)] = seq.block_ids
         dev = self.device
-        attn = self._metadata(block_tables, seq_lens, query_start, slots, max(n for _, n in scheduled))
+        attn = self._group_metadata(scheduled, seq_lens, query_start, max(n for _, n in scheduled))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,48 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC_BYTES = 1 << 20
 MSGPACK = "application/x-msgpack"  # content type of /generate requests and responses
+MAX_N = 128
+# Bounds of the sampling numbers (the context bounds max_tokens). Every integer is bounded: msgpack
+# carries at most 64 bits, and the sampler's tensors take int32 (top_k).
+FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, 10.0),  # divides or multiplies fp32 logits: larger ones only overflow
+}
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "top_k": (-1, 2**31 - 1),
+    "seed": (-(2**63), 2**64 - 1),
+    "logprobs": (0, MAX_LOGPROBS),
+    "n": (1, MAX_N),
+}
+EXCLUSIVE_MINIMUM = ("top_p", "repetition_penalty")  # the lower bound itself is refused
+LOGIT_BIAS_BOUNDS = (-100.0, 100.0)
+
+# Engine authentication: every endpoint but /health wants "Authorization: Bearer <token>".
+ENGINE_TOKEN_ENV = "KVGATE_ENGINE_TOKEN"
+MIN_ENGINE_TOKEN_CHARS = 16
 
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of DEFAULT_GGUF_NAME
+
+
+def read_engine_token(path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The engines' shared secret: the file's content (stripped) when a path is given, else
+    ``$KVGATE_ENGINE_TOKEN``, else None; raises ValueError naming the source of a weak one."""
+    if path is not None:
+        token, source = Path(path).read_text().strip(), f"--engine-token-file {path}"
+    elif environ.get(ENGINE_TOKEN_ENV):
+        token, source = environ[ENGINE_TOKEN_ENV].strip(), ENGINE_TOKEN_ENV
+    else:
+        return None
+    if len(token) < MIN_ENGINE_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ValueError(f"{source}: the engine token must be at least {MIN_ENGINE_TOKEN_CHARS} characters "
+                         "without whitespace (e.g. `openssl rand -hex 32`)")
+    return token
 
 
 def default_model_path() -> Path | None:
@@ -204,8 +243,9 @@ class ModelLimits:
 class EngineStats:
     """GET /stats: what the engine serves and how loaded it is (a snapshot, refreshed while it works).
 
-    The gateway reads the model shape and ``replica_id`` to admit a replica, and the queue lengths and
-    ``total_busy_seconds`` (a counter) to route; the rest is for operators."""
+    The gateway reads the model shape and ``replica_id`` to admit a replica, the queue lengths and
+    ``total_busy_seconds`` (a counter) to route, and the waiting tokens over the rate the counters give to
+    shed load; the rest is for operators."""
 
     model: str
     replica_id: str  # its id in the prefix index
@@ -217,6 +257,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     kv_usage: float  # fraction of KV blocks in use or unavailable
+    num_cached_blocks: int  # blocks holding a reusable prefix, in use or evictable (cold placement reads it)
     prefix_hit_rate: float
     num_position_entries: int  # exact-position entries held
     num_preemptions: int
@@ -224,6 +265,8 @@ class EngineStats:
     prefill_pack_tokens: int
     max_num_seqs: int
     total_busy_seconds: float  # time spent in engine steps since start
+    num_waiting_tokens: int  # prompt tokens not computed yet, of queued and of prefilling sequences
+    total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
     # Speculative decoding counters since start (all 0 and [] without --speculative):
     spec_num_drafts: int  # sequence-steps that verified a draft
     spec_num_draft_tokens: int
@@ -318,26 +361,18 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
             f"context length of {limits.max_model_len} tokens",
             "max_tokens",
         )
-    for name, lo, hi in (
-        ("temperature", 0.0, 100.0),
-        ("top_p", 0.0, 1.0),
-        ("min_p", 0.0, 1.0),
-        ("presence_penalty", -2.0, 2.0),
-        ("frequency_penalty", -2.0, 2.0),
-        ("repetition_penalty", 0.0, None),
-    ):
+    for name, (lo, hi) in FLOAT_BOUNDS.items():
         if name in wire:
             setattr(p, name, _check_float(wire[name], name, lo, hi))
     if 0.0 < p.temperature < MIN_TEMPERATURE:  # as vLLM: smaller values overflow fp32 softmax
         p.temperature = MIN_TEMPERATURE
-    if p.top_p == 0.0:
-        raise ProtocolError("top_p must be > 0", "top_p")
-    if p.repetition_penalty == 0.0:
-        raise ProtocolError("repetition_penalty must be > 0", "repetition_penalty")
+    for name in EXCLUSIVE_MINIMUM:
+        if getattr(p, name) == FLOAT_BOUNDS[name][0]:
+            raise ProtocolError(f"{name} must be > {FLOAT_BOUNDS[name][0]:g}", name)
     if "top_k" in wire:
-        p.top_k = _check_int(wire["top_k"], "top_k", lo=-1)
+        p.top_k = _check_int(wire["top_k"], "top_k", *INT_BOUNDS["top_k"])
     if wire.get("seed") is not None:
-        p.seed = _check_int(wire["seed"], "seed", lo=-(2**63), hi=2**64 - 1)
+        p.seed = _check_int(wire["seed"], "seed", *INT_BOUNDS["seed"])
     if "stop_token_ids" in wire:
         p.stop_token_ids = _check_token_ids(wire["stop_token_ids"], "stop_token_ids", limits.vocab_size)
     if "ignore_eos" in wire:
@@ -347,18 +382,18 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
     if "min_tokens" in wire:
         p.min_tokens = _check_int(wire["min_tokens"], "min_tokens", lo=0, hi=p.max_tokens)
     if wire.get("logprobs") is not None:
-        p.logprobs = _check_int(wire["logprobs"], "logprobs", lo=0, hi=MAX_LOGPROBS)
+        p.logprobs = _check_int(wire["logprobs"], "logprobs", *INT_BOUNDS["logprobs"])
     if wire.get("prompt_logprobs") is not None:
-        p.prompt_logprobs = _check_int(wire["prompt_logprobs"], "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+        p.prompt_logprobs = _check_int(wire["prompt_logprobs"], "prompt_logprobs", *INT_BOUNDS["logprobs"])
     if "n" in wire:
-        p.n = _check_int(wire["n"], "n", lo=1, hi=128)
+        p.n = _check_int(wire["n"], "n", *INT_BOUNDS["n"])
     if wire.get("logit_bias"):
         bias = wire["logit_bias"]
         if not isinstance(bias, dict):
             raise ProtocolError("logit_bias must be a map of token id to bias", "logit_bias")
         p.logit_bias = {
             _check_token_ids([tok], "logit_bias", limits.vocab_size)[0]: _check_float(
-                value, "logit_bias", -100.0, 100.0
+                value, "logit_bias", *LOGIT_BIAS_BOUNDS
             )
             for tok, value in bias.items()
         }

@@ -44,8 +44,8 @@ class Sequence:
     __slots__ = (
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
-        "block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs", "num_sent_tokens",
-        "matcher", "prompt_logprobs", "draft_ids", "ngram",
+        "block_ids", "group_block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs",
+        "num_sent_tokens", "matcher", "prompt_logprobs", "draft_ids", "ngram",
     )
 
     def __init__(
@@ -74,6 +74,7 @@ class Sequence:
         # Only extended while the blocks are held; freeing them replaces the list (DecodeGraphs
         # copies a row of its block table only from where the list it knows grew).
         self.block_ids: list[int] = []
+        self.group_block_ids: list[list[int]] = []  # the other layer groups' tables (engine.kv_groups)
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error"
@@ -119,3 +120,4 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.block_ids = []
+        self.group_block_ids = []

@@ -1,5 +1,8 @@
 """The engine sidecar: HTTP in the event loop's thread, the engine loop in its own thread.
 
+With a token, every endpoint but /health wants ``Authorization: Bearer <token>`` (:class:`TokenAuth`):
+a request's salt is a tenant's cache, so whoever may call /generate may read it.
+
 The two meet through :class:`engine.loop.EngineLoop`: a command queue (HTTP → engine) and one
 ``call_soon_threadsafe`` per step that hands every stream its frames (engine → HTTP), so HTTP work
 never runs inside a step. :class:`Sidecar` holds the handlers and the open streams.
@@ -9,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -19,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -199,16 +206,46 @@ class Sidecar:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None) -> Starlette:
+class TokenAuth:
+    """Pure-ASGI check of the engines' token, in constant time; /health stays open for probes."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self._digest = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), self._digest):
+                response = error_response(401, "missing or wrong engine token (Authorization: Bearer <token>)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None,
+              token: str | None = None) -> ASGIApp:
     metrics = Metrics(config.served_name)
     engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
     if config.speculative is not None:
         metrics.add_spec_decode(lambda: engine.snapshot)
     sidecar = Sidecar(engine, metrics)
-    return Starlette(routes=sidecar.routes(), lifespan=sidecar.lifespan)
+    app = Starlette(routes=sidecar.routes(), lifespan=sidecar.lifespan)
+    return TokenAuth(app, token) if token is not None else app
 
 
-def serve(config: EngineConfig, host: str, port: int) -> None:
+def serve(config: EngineConfig, host: str, port: int, token: str | None) -> None:
     import uvicorn
 
-    uvicorn.run(build_app(config), host=host, port=port, log_config=None, access_log=False)
+    uvicorn.run(build_app(config, token=token), host=host, port=port, log_config=None, access_log=False)

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.logs import configure_logging
     from gateway.app import create_app
+    from gateway.http_limits import limited_protocol
 
     configure_logging(config.log_level)
     structlog.get_logger("gateway").info("gateway_starting", **config.summary())
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         create_app(config), host=config.host, port=config.port, root_path=config.root_path,
         log_config=None, access_log=False, proxy_headers=False, lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        http=limited_protocol(config.http), timeout_keep_alive=config.http.keep_alive_timeout,
     )
     return 0
 

@@ -1,4 +1,5 @@
-"""HTTP client of one engine sidecar: /generate as a stream of msgpack frames, /stats as EngineStats.
+"""HTTP client of one engine sidecar: /generate as a stream of msgpack frames, /stats as EngineStats;
+each request carries the engines' token when there is one.
 
 Closing an :class:`EngineStream` before its end closes the connection, which aborts the engine
 request (the sidecar's contract).
@@ -65,12 +66,14 @@ class EngineClient:
     """Talks to one engine over a shared pooled transport (httpx's transport layer: the client layer's
     cookies, redirects and auth cost about half a millisecond per request and do nothing here)."""
 
-    def __init__(self, url: str, transport: httpx.AsyncBaseTransport, connect_timeout: float = 5.0):
+    def __init__(self, url: str, transport: httpx.AsyncBaseTransport, token: str | None = None,
+                 connect_timeout: float = 5.0):
         self.url = url
         self._transport = transport
         self._generate_url = httpx.URL(url + "/generate")
         self._stats_url = httpx.URL(url + "/stats")
-        self._headers = {"content-type": MSGPACK}
+        self._auth = {"authorization": f"Bearer {token}"} if token is not None else {}
+        self._headers = {"content-type": MSGPACK, **self._auth}
         # No read timeout: a queued request may wait long for its first frame.
         self._stream_timeout = {"connect": connect_timeout, "read": None, "write": 30.0, "pool": 30.0}
 
@@ -98,7 +101,7 @@ class EngineClient:
     async def stats(self, timeout: float) -> EngineStats:
         """GET /stats; raises EngineUnavailable unless the engine is ready, ValueError (a ProtocolError
         naming the field) for a body that is not its /stats."""
-        req = httpx.Request("GET", self._stats_url, extensions={"timeout": dict.fromkeys(
+        req = httpx.Request("GET", self._stats_url, headers=self._auth, extensions={"timeout": dict.fromkeys(
             ("connect", "read", "write", "pool"), timeout)})
         try:
             response = await self._transport.handle_async_request(req)

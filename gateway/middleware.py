@@ -7,7 +7,6 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -15,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import KeyRing
 
 log = structlog.get_logger("gateway")
 
@@ -110,29 +110,31 @@ class RequestContextMiddleware:
             log.info("request", **fields)
 
 
-def tenant_id(key: str) -> str:
-    """Stable across gateways and key order; reveals nothing usable about the key."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+class SaltKey:
+    """A tenant's cache salt: HMAC(the engines' secret, tenant id). The tenant id is in every log line;
+    without the secret it gives no salt, so reading logs does not let anyone address a tenant's cache."""
+
+    def __init__(self, secret: str | None):
+        # without a secret the engines listen on loopback only (they refuse otherwise)
+        self._key = (secret or "").encode()
+
+    def salt(self, tenant: str | None) -> str | None:
+        if tenant is None:
+            return None
+        return hmac.new(self._key, b"kvgate-salt:" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class AuthMiddleware:
-    """Bearer-key check in constant time over all keys; the key's id becomes the request's tenant.
+    """Bearer-key check in constant time over all keys (:class:`gateway.ratelimit.KeyRing`); the key's id
+    becomes the request's tenant, and the key (with its limits) ``scope["kvgate.key"]``.
 
     Open without a key: /health, /ready, /metrics and every OPTIONS request. With no keys configured
     every path is open and requests have no tenant.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str]):
+    def __init__(self, app: ASGIApp, keys: KeyRing):
         self.app = app
-        self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_id(k)) for k in api_keys]
-
-    def authenticate(self, token: str) -> str | None:
-        digest = hashlib.sha256(token.encode()).digest()
-        tenant = None
-        for key_digest, key_tenant in self._keys:  # no early exit: timing says nothing about which key
-            if hmac.compare_digest(digest, key_digest):
-                tenant = key_tenant
-        return tenant
+        self._keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self._keys or scope["method"] == "OPTIONS" or route_path(scope) in OPEN_PATHS:
@@ -140,13 +142,14 @@ class AuthMiddleware:
             return
         auth = _header(scope, b"authorization") or ""
         scheme, _, token = auth.partition(" ")
-        tenant = self.authenticate(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
-        if tenant is None:
+        key = self._keys.lookup(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        if key is None:
             message = "missing API key: send 'Authorization: Bearer <key>'" if not auth else "invalid API key"
             scope["kvgate.record"].error = message
             await APIError(401, message, headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
             return
-        scope["kvgate.record"].tenant = tenant
+        scope["kvgate.record"].tenant = key.tenant
+        scope["kvgate.key"] = key
         await self.app(scope, receive, send)
 
 

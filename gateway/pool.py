@@ -6,13 +6,21 @@ checks and refresh the load figures routing reads; requests report their failure
 too (:mod:`gateway.dispatch`). Every state change is logged once (``replica_ready`` /
 ``replica_down``). When a replica's breaker opens, the requests still waiting on it are interrupted
 (see :mod:`gateway.dispatch` for why).
+
+Replicas are the ``--engine`` URLs and, with ``--engine-dns NAME:PORT``, one per address the name
+resolves to (a Kubernetes headless Service lists its ready pods), re-resolved before each poll: a
+new address is added, a vanished one dropped (its requests finish on their own connections). A name
+without records means no engine; a resolver failure keeps the replicas as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 import structlog
@@ -25,6 +33,25 @@ from gateway.replica import ModelInfo, Replica
 log = structlog.get_logger("gateway.pool")
 
 _BREAKER_GAUGE = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 0.5, BreakerState.OPEN: 1.0}
+# getaddrinfo's answers for a name that exists nowhere or has no address: no engine, not a failure.
+_NO_RECORDS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+Resolver = Callable[[str, int], Awaitable[set[str]]]
+
+
+async def resolve_addresses(name: str, port: int) -> set[str]:
+    """The IP addresses ``name`` resolves to (empty when it has none); raises OSError when the resolver fails."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_RECORDS:
+            return set()
+        raise
+    return {info[4][0] for info in infos}
+
+
+def engine_url(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ipaddress.ip_address(address).version == 6 else f"http://{address}:{port}"
 
 
 class EnginePool:
@@ -33,14 +60,57 @@ class EnginePool:
 
     def __init__(self, urls: Sequence[str], transport: httpx.AsyncBaseTransport,
                  metrics: GatewayMetrics | None = None, stats_timeout: float = 2.0,
-                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
-        self.replicas = [Replica(url, EngineClient(url, transport), breaker=breaker()) for url in urls]
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker, engine_token: str | None = None,
+                 dns: tuple[str, int] | None = None, resolver: Resolver = resolve_addresses):
+        self._transport = transport
+        self._breaker = breaker
+        self._engine_token = engine_token
+        self.replicas = [self._replica(url) for url in urls]
         self.metrics = metrics or GatewayMetrics()
         self.model: ModelInfo | None = None
         self._stats_timeout = stats_timeout
+        self._dns = dns
+        self._resolver = resolver
+        self._dns_urls: set[str] = set()  # the replicas that came from the name
+        self._dns_error: str | None = None  # the resolver's last failure, logged once
+
+    def _replica(self, url: str) -> Replica:
+        return Replica(url, EngineClient(url, self._transport, self._engine_token), breaker=self._breaker())
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas if r.ready]
+
+    async def discover(self) -> None:
+        """With ``dns``: resolve the name again, add a replica per new address, drop those whose address is gone."""
+        if self._dns is None:
+            return
+        name, port = self._dns
+        try:
+            addresses = await self._resolver(name, port)
+        except OSError as exc:
+            if self._dns_error is None:
+                log.warning("engine_dns_failed", name=name, error=str(exc), replicas="kept until it answers")
+            self._dns_error = str(exc)
+            return
+        if self._dns_error is not None:
+            log.info("engine_dns_answers", name=name)
+            self._dns_error = None
+        urls = {engine_url(address, port) for address in addresses}
+        for url in sorted(urls - self._dns_urls):
+            self.replicas.append(self._replica(url))
+            log.info("replica_added", replica=url, name=name)
+        for url in sorted(self._dns_urls - urls):
+            self.replicas = [r for r in self.replicas if r.url != url]
+            self._forget_metrics(url)
+            log.info("replica_removed", replica=url, name=name)
+        self._dns_urls = urls
+
+    def _forget_metrics(self, url: str) -> None:
+        m = self.metrics
+        for gauge in (m.replica_ready, m.replica_in_flight, m.replica_pending_prefill, m.replica_utilization,
+                      m.replica_breaker):
+            with contextlib.suppress(KeyError):  # never exported: it was not scraped while it lived
+                gauge.remove(url)
 
     # --- health ---
 
@@ -78,6 +148,8 @@ class EnginePool:
         replica.ready = ready
 
     async def poll(self) -> None:
+        """Re-resolve ``dns``, then poll every replica's /stats."""
+        await self.discover()
         await asyncio.gather(*(self._poll(r) for r in self.replicas))
 
     async def _poll(self, replica: Replica) -> None:
@@ -126,8 +198,11 @@ class EnginePool:
                 return self.model
             check_alive()
             if time.monotonic() > deadline:
-                errors = "; ".join(f"{r.url}: {r.error}" for r in self.replicas if not r.ready)
-                raise RuntimeError(f"engines not ready after {timeout:.0f}s: {errors}")
+                errors = [f"{r.url}: {r.error}" for r in self.replicas if not r.ready]
+                if self._dns is not None:
+                    failure = f" (resolver: {self._dns_error})" if self._dns_error else ""
+                    errors.append(f"{self._dns[0]} resolves to {len(self._dns_urls)} address(es){failure}")
+                raise RuntimeError(f"engines not ready after {timeout:.0f}s: {'; '.join(errors)}")
             await asyncio.sleep(0.25)
 
     async def run_health_checks(self, interval: float) -> None:

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
 
-import redis.asyncio
 import redis.exceptions
 
 from gateway.errors import APIError
+from prefix_index.redis_index import redis_client
 
 KEY_PREFIX = "kvgate:response:"
 MEMORY_MAX_RESPONSES = 10_000  # one process: the oldest go first beyond this
@@ -62,19 +62,19 @@ class MemoryResponseStore(ResponseStore):
 class RedisResponseStore(ResponseStore):
     def __init__(self, url: str, ttl: float):
         super().__init__(ttl)
-        self._redis = redis.asyncio.Redis.from_url(url)
+        self._redis = redis_client(url)  # redis:// or redis+cluster://, as the index
 
     async def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
         try:
             await self._redis.set(KEY_PREFIX + response_id, json.dumps(messages, ensure_ascii=False),
                                   px=int(self.ttl * 1000))
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise _unavailable(exc) from None
 
     async def get(self, response_id: str) -> list[dict[str, Any]] | None:
         try:
             raw = await self._redis.get(KEY_PREFIX + response_id)
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise _unavailable(exc) from None
         return None if raw is None else json.loads(raw)
 

@@ -10,7 +10,10 @@ Policies (``--routing``):
   known to wait there (this gateway's requests before their first token, other gateways' requests
   from the engine's /stats) sets the bound; the score takes the larger of it and what the
   replica's utilization predicts (:func:`expected_queue`): between the turns of its conversations a
-  busy replica's queue is empty, yet their next turns will come back.
+  busy replica's queue is empty, yet their next turns will come back. Ties (a new conversation
+  on idle replicas, above all) go to the replica whose KV holds least (:attr:`Replica.kv_footprint`,
+  from /stats), then to one at random: never by list order, which put every new conversation on
+  the same replica while its conversations ran one after another.
 - ``least-load``: fewest requests (this gateway's in flight plus the engine's queue).
 - ``round-robin``: in turn.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
@@ -32,7 +36,7 @@ import structlog
 
 from gateway.replica import Replica
 from prefix_index.hashing import BlockHash, block_hashes
-from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
+from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index, redact_url
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -130,15 +134,17 @@ class Candidate(NamedTuple):
     load_tokens: int  # prefill work known to be queued there
     requests: int  # requests on it (the tie-breaker: decoding requests queue no prefill)
     expected_load_tokens: int = 0  # the queue its utilization predicts (see expected_queue)
+    kv_footprint: float = 0.0  # share of its KV holding something (the next tie-breaker)
 
 
-def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
+def pick(candidates: Sequence[Candidate], load_bound: int, rng: random.Random) -> tuple[int, str]:
     """Index of the replica to use and the reason.
 
     The predicted work of a replica is what the request waits for there (its queue: the larger of
     the known and the expected one, then its own uncached tokens) plus what choosing it wastes: the
     tokens it recomputes that the best-cached replica holds. Least work wins (then fewest
-    requests, then the first listed) among the replicas where the request would reach its first
+    requests, then the smallest KV footprint, then ``rng``'s draw) among the replicas where the
+    request would reach its first
     token (known queue, then its own uncached tokens) at most ``load_bound`` tokens after the
     soonest one: the bound caps what affinity may cost the request. Leaving costs the request its
     own recompute, so a late turn stays until its queue outgrows that recompute (a bound on the
@@ -146,16 +152,19 @@ def pick(candidates: Sequence[Candidate], load_bound: int) -> tuple[int, str]:
     whole recompute more). Counting the waste keeps requests that share a prefix together: a
     second identical request waits for the first's prefill rather than computing it again
     elsewhere, and a late turn of a conversation stays on its busy replica, while a new
-    conversation, which would waste only its system prompt, goes to an idler one.
+    conversation, which would waste only its system prompt, goes to an idler one. The footprint
+    spreads new prefixes, as SGLang's router does with its smallest cache tree: the replica whose
+    cache holds least loses least to the new prefix's blocks.
     """
     most_cached = max(c.cached_tokens for c in candidates)
     first_token = [c.load_tokens + c.uncached_tokens for c in candidates]
     soonest = min(first_token)
+    draws = [rng.random() for _ in candidates]
 
-    def work(i: int) -> tuple[int, int, int]:
+    def work(i: int) -> tuple[int, int, float, float]:
         c = candidates[i]
         queue = max(c.load_tokens, c.expected_load_tokens)
-        return queue + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, i
+        return queue + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, c.kv_footprint, draws[i]
 
     best = min((i for i in range(len(candidates)) if first_token[i] <= soonest + load_bound), key=work)
     if most_cached == 0:
@@ -281,13 +290,13 @@ class PrefixRouter(Router):
         self._metrics = metrics
         self._index: GuardedIndex | None = None
         self._block_size = 0
-        self._turn = itertools.count()
+        self._rng = random.Random()
         self._mean_uncached = 0.0  # running mean of the uncached prompt tokens of routed requests
         self._seen_requests = False
 
     async def start(self, model: str, block_size: int) -> None:
         index = open_index(self._index_url, model, block_size)
-        self._index = GuardedIndex(index, self._index_url, self._settings.lookup_timeout_s, self._metrics)
+        self._index = GuardedIndex(index, redact_url(self._index_url), self._settings.lookup_timeout_s, self._metrics)
         self._block_size = block_size
         if urlsplit(self._index_url).scheme == "memory":
             log.warning("prefix_index_local", index_url=self._index_url,
@@ -301,19 +310,19 @@ class PrefixRouter(Router):
 
     async def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
         assert self._index is not None, "start() first"
-        rotated = _rotated(candidates, next(self._turn))
         num_tokens = len(request.prompt_ids)
         hashes = block_hashes(request.prompt_ids, self._block_size, request.salt)  # as the engine does
         matched = await self._index.lookup(hashes) if hashes else {}
         scored = []
-        for r in rotated:
+        for r in candidates:
             blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
             cached = min(blocks * self._block_size, num_tokens - 1)  # one token is always computed
             load = r.pending_prefill_tokens + round(r.other_requests * self._mean_uncached)
             expected = round(expected_queue(r.utilization) * self._mean_uncached)
-            scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests, expected))
-        best, reason = pick(scored, self._settings.load_bound_tokens)
-        chosen, score = rotated[best], scored[best]
+            scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests, expected,
+                                    r.kv_footprint))
+        best, reason = pick(scored, self._settings.load_bound_tokens, self._rng)
+        chosen, score = candidates[best], scored[best]
         weight = LOAD_EWMA_WEIGHT if self._seen_requests else 1.0
         self._mean_uncached += weight * (score.uncached_tokens - self._mean_uncached)
         self._seen_requests = True

@@ -24,10 +24,13 @@ from gateway.structured import Constraint, ToolUse, schema_text
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+UNSUPPORTED_NOTE = "not supported by this server"
+
+
 def _unsupported(accepted: str = "") -> Any:
     """An OpenAI field this server does not implement: declared so that setting it is a 400 naming it."""
     note = f" (only {accepted} is accepted)" if accepted else ""
-    return Field(None, description=f"not supported by this server: setting it is an error{note}")
+    return Field(None, description=f"{UNSUPPORTED_NOTE}: setting it is an error{note}")
 
 
 class StreamOptions(BaseModel):

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 
 import structlog
+
+from engine.protocol import ENGINE_TOKEN_ENV
 
 log = structlog.get_logger("gateway.spawn")
 
@@ -69,8 +72,11 @@ def _die_with_parent() -> None:
 
 
 class EngineProcesses:
-    def __init__(self, spawn: SpawnConfig):
+    """The spawned engines; ``token`` reaches them in their environment (never on a command line)."""
+
+    def __init__(self, spawn: SpawnConfig, token: str):
         self._spawn = spawn
+        self._env = {**os.environ, ENGINE_TOKEN_ENV: token}
         self.urls: list[str] = []
         self._procs: list[asyncio.subprocess.Process] = []
 
@@ -79,7 +85,7 @@ class EngineProcesses:
             port = free_port()
             argv = self._spawn.argv(HOST, port, index)
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL,
+                *argv, stdin=asyncio.subprocess.DEVNULL, env=self._env,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
             self._procs.append(proc)

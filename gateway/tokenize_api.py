@@ -4,13 +4,14 @@ them) to token ids, and token ids to text."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import APIError
+from gateway.errors import APIError, record_of
 from gateway.schemas import ChatCompletionRequest, ChatMessage, Tool, validation_error
 from gateway.serving import Serving
 
@@ -57,18 +58,19 @@ async def tokenize(request: Request) -> Response:
         raise APIError(400, "give exactly one of prompt and messages", param="messages")
     tok = serving.tokenizer
     if req.prompt is not None:
-        token_ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        token_ids = await serving.workers.run(tok.encode, req.prompt, req.add_special_tokens is not False)
     else:
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                      chat_template_kwargs=req.chat_template_kwargs,
                                      add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message)
         chat.check_supported()
-        prompt = tok.chat_prompt(chat.template_messages(), chat.tool_use.tools, chat.template_kwargs(),
-                                 chat.add_generation_prompt, chat.continue_final_message)
+        prompt = await serving.workers.run(functools.partial(  # off the loop; cached per tenant
+            tok.chat_prompt, chat.template_messages(), chat.tool_use.tools, chat.template_kwargs(),
+            chat.add_generation_prompt, chat.continue_final_message, tenant=record_of(request).tenant))
         token_ids = prompt.token_ids
         if req.add_special_tokens:
-            token_ids = tok.encode(prompt.text, add_special_tokens=True)
+            token_ids = await serving.workers.run(tok.encode, prompt.text, True)
     body: dict[str, Any] = {"count": len(token_ids), "max_model_len": serving.model.limits.max_model_len,
                             "tokens": token_ids}
     if req.return_token_strs:

@@ -15,17 +15,18 @@ run of tool results as one user message of ``<tool_response>`` blocks.
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -94,31 +95,43 @@ def _save_atomically(tok: Any, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class ConversationTokens:
-    """Token ids of recent conversations, keyed by their text through the last message (rendered
-    without a generation prompt); least recently used out first, past ``max_tokens`` in all."""
+class ByteLRU:
+    """A least-recently-used map bounded by the bytes of its keys and values (``nbytes`` given on
+    ``put``), thread-safe: the tokenizer runs in several worker threads. An entry larger than the whole
+    cache is not kept."""
 
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.num_tokens = 0
-        self._entries: OrderedDict[str, array] = OrderedDict()
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.hits = 0
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, text: str) -> array | None:
-        ids = self._entries.get(text)
-        if ids is not None:
-            self._entries.move_to_end(text)
-        return ids
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
 
-    def put(self, text: str, ids: list[int]) -> None:
-        if text in self._entries or len(ids) > self.max_tokens:
-            return
-        self._entries[text] = array("i", ids)
-        self.num_tokens += len(ids)
-        while self.num_tokens > self.max_tokens:
-            self.num_tokens -= len(self._entries.popitem(last=False)[1])
+    def put(self, key: Hashable, value: Any, nbytes: int) -> None:
+        with self._lock:
+            if key in self._entries or nbytes > self.max_bytes:
+                return
+            self._entries[key] = (value, nbytes)
+            self.num_bytes += nbytes
+            while self.num_bytes > self.max_bytes:
+                self.num_bytes -= self._entries.popitem(last=False)[1][1]
+
+
+def _text_bytes(*texts: str) -> int:
+    """Memory of the strings (CPython keeps 1, 2 or 4 bytes a character)."""
+    return sum(sys.getsizeof(t) for t in texts)
 
 
 class ChatPrompt(NamedTuple):
@@ -128,26 +141,30 @@ class ChatPrompt(NamedTuple):
 
 
 class Tokenizer:
-    """One per process, used from the event loop; its token-bytes and system-probe caches grow on use.
+    """One per process, thread-safe: requests render and tokenize in worker threads
+    (:class:`gateway.workers.WorkerPool`).
 
     A multi-turn conversation is tokenized once: each chat prompt's tokens through its last message
-    are kept (``conversation_cache_tokens`` in all, ~8 bytes each with the text), and the next turn,
-    which renders as that text followed by an added token (``<|im_start|>``), tokenizes only what
-    follows it (:meth:`_encode_continuing`).
+    are kept, and the next turn, which renders as that text followed by an added token
+    (``<|im_start|>``), tokenizes only what follows it (:meth:`_encode_continuing`). Those and the
+    system-prompt probes share one cache of ``cache_bytes``, keyed by tenant as well as text: a tenant
+    never gets the speed of another's entry, so timing tells nothing about what others sent.
     """
 
-    def __init__(self, hf_tokenizer: Any, probe_cache_size: int = 1024,
-                 conversation_cache_tokens: int = 4_000_000):
+    def __init__(self, hf_tokenizer: Any, cache_bytes: int = 64 << 20, chat_template: str | None = None):
+        """``chat_template``, when given, replaces the tokenizer's own (--chat-template)."""
         from transformers.convert_slow_tokenizer import bytes_to_unicode
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.hf = hf_tokenizer
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         self.vocab_size = len(hf_tokenizer)
-        try:
-            self.chat_template: str | None = hf_tokenizer.get_chat_template()
-        except ValueError:
-            self.chat_template = None
+        self.chat_template = chat_template
+        if chat_template is None:
+            try:
+                self.chat_template = hf_tokenizer.get_chat_template()
+            except ValueError:
+                pass
         # apply_chat_template passes the special tokens to the template; so must we, for identical text.
         self._template_kwargs = dict(hf_tokenizer.special_tokens_map)
         # transformers' own sandboxed Jinja environment (filters, globals, extensions), compiled once.
@@ -158,12 +175,14 @@ class Tokenizer:
             self._template.environment.parse(self.chat_template))
         self._added_tokens = self.backend.get_added_tokens_decoder()
         self._segment_starts: dict[int, bool] = {}
-        self._conversations = ConversationTokens(conversation_cache_tokens)
+        self._cache = ByteLRU(cache_bytes)
         self._byte_decoder = (
             {c: b for b, c in bytes_to_unicode().items()} if isinstance(self.backend.decoder, ByteLevel) else None
         )
         self._token_bytes: dict[int, bytes] = {}
-        self._probe_tokens = functools.lru_cache(maxsize=probe_cache_size)(self._probe_tokens_uncached)
+        # A sound bound for the tokens of a text before tokenizing it: no token covers more characters.
+        self.max_token_chars = max(max(len(self.token_bytes(i)), len(piece))
+                                   for piece, i in self.backend.get_vocab(with_added_tokens=True).items())
 
     # --- text <-> ids ---
 
@@ -225,10 +244,11 @@ class Tokenizer:
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
                     template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> ChatPrompt:
+                    continue_final_message: bool = False, tenant: str | None = None) -> ChatPrompt:
         """Render and tokenize, and probe where the system prompt (with the tools the template puts
         there) and the last message end. ``continue_final_message`` cuts the text right after the
-        final message's content, as ``apply_chat_template`` does, so the model continues it."""
+        final message's content, as ``apply_chat_template`` does, so the model continues it.
+        ``tenant`` keys what this caches and reuses."""
         messages, context = self._template_inputs(messages, tools, template_kwargs)
         text = self.render(messages, add_generation_prompt, context=context)
         if continue_final_message:
@@ -237,14 +257,14 @@ class Tokenizer:
                 raise APIError(400, "continue_final_message: the chat template does not render the final "
                                     "message's content", param="continue_final_message")
             text = text[: text.rindex(final) + len(final)]
-        ids, tail, tail_start = self._encode_continuing(messages, text, context)
+        ids, tail, tail_start = self._encode_continuing(messages, text, context, tenant)
         boundaries: list[int] = []
         num_system = 0
         while num_system < len(messages) and messages[num_system]["role"] == "system":
             num_system += 1
         if 0 < num_system < len(messages):
-            key = json.dumps([messages[:num_system], context], ensure_ascii=False)
-            self._add_boundary(boundaries, self._token_prefix(self._probe_tokens(key), text, ids), len(ids))
+            probe = self._system_probe(messages[:num_system], context, tenant)
+            self._add_boundary(boundaries, self._token_prefix(probe, text, ids), len(ids))
         last_text = self._render_probe(messages, context)
         if last_text is not None and text.startswith(last_text):
             end = self._split_before_added_token(tail, len(last_text) - tail_start)
@@ -254,12 +274,13 @@ class Tokenizer:
                 end += len(ids) - len(tail.ids)
             self._add_boundary(boundaries, end, len(ids))
             if end is not None and 0 < end < len(ids):
-                self._conversations.put(last_text, ids[:end])
+                self._cache.put(("conversation", tenant, last_text), array("i", ids[:end]),
+                                _text_bytes(last_text) + 4 * end)
         log.debug("cache_boundaries", boundaries=boundaries, prompt_tokens=len(ids))
         return ChatPrompt(text, ids, boundaries)
 
-    def _encode_continuing(self, messages: list[dict[str, Any]], text: str,
-                           context: Mapping[str, Any]) -> tuple[list[int], tokenizers.Encoding, int]:
+    def _encode_continuing(self, messages: list[dict[str, Any]], text: str, context: Mapping[str, Any],
+                           tenant: str | None) -> tuple[list[int], tokenizers.Encoding, int]:
         """The prompt's token ids, the encoding of the part tokenized now, and where in ``text`` it starts.
 
         When one of the last :data:`CONTINUATION_LOOKBACK` message prefixes is a cached conversation
@@ -270,7 +291,8 @@ class Tokenizer:
         """
         for k in range(len(messages) - 1, max(0, len(messages) - 1 - CONTINUATION_LOOKBACK), -1):
             prefix = self._render_probe(messages[:k], context)
-            head = self._conversations.get(prefix) if prefix is not None and text.startswith(prefix) else None
+            head = (self._cache.get(("conversation", tenant, prefix))
+                    if prefix is not None and text.startswith(prefix) else None)
             if head is not None:
                 tail = self.backend.encode(text[len(prefix):], add_special_tokens=False)
                 if tail.ids and tail.offsets[0][0] == 0 and self._starts_segment(tail.ids[0]):
@@ -294,10 +316,18 @@ class Tokenizer:
             self._segment_starts[token_id] = known
         return known
 
-    def _probe_tokens_uncached(self, key: str) -> tuple[str, list[int]] | None:
-        """A system probe by its JSON key ``[messages, context]``."""
-        text = self._render_probe(*json.loads(key))
-        return None if text is None else (text, self.encode(text, add_special_tokens=False))
+    def _system_probe(self, system: list[dict[str, Any]], context: Mapping[str, Any],
+                      tenant: str | None) -> tuple[str, array] | None:
+        """The system messages rendered alone and their tokens (None: the template refuses them), cached."""
+        key = ("system", tenant, json.dumps([system, context], ensure_ascii=False))
+        probe = self._cache.get(key)
+        if probe is None:
+            text = self._render_probe(system, context)
+            if text is None:
+                return None
+            probe = (text, array("i", self.encode(text, add_special_tokens=False)))
+            self._cache.put(key, probe, _text_bytes(key[2], text) + 4 * len(probe[1]))
+        return probe
 
     def _render_probe(self, messages: list[dict[str, Any]], context: Mapping[str, Any]) -> str | None:
         """The messages rendered without a generation prompt; None if the template refuses them."""
@@ -324,13 +354,13 @@ class Tokenizer:
         return None
 
     @staticmethod
-    def _token_prefix(probe: tuple[str, list[int]] | None, text: str, ids: list[int]) -> int | None:
+    def _token_prefix(probe: tuple[str, Sequence[int]] | None, text: str, ids: list[int]) -> int | None:
         """A probe's token count if it is a true prefix of the prompt, as text and as tokens."""
         if probe is None:
             return None
         probe_text, probe_ids = probe
         n = len(probe_ids)
-        return n if text.startswith(probe_text) and ids[:n] == probe_ids else None
+        return n if text.startswith(probe_text) and ids[:n] == list(probe_ids) else None
 
     @staticmethod
     def _add_boundary(boundaries: list[int], n: int | None, num_tokens: int) -> None:

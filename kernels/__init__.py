@@ -50,8 +50,12 @@ class KernelOps(Protocol):
         query_start_loc_cpu: list[int] | None = None,
         key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], as stored by store_kv
         value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its whole paged context.
+        """Causal attention of each sequence's new tokens over its whole paged context, or with
+        ``sliding_window`` W over its last W positions only: a query at position p sees keys
+        ``p - W + 1 … p``, and no page that holds none of them is read (its block table entry
+        may be anything a valid block id; a window layer's pages before it may be freed).
 
         Covers decode (one new token), chunked prefill (many new tokens after a cached prefix) and
         mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype;
@@ -76,6 +80,7 @@ class KernelOps(Protocol):
         seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
         scale: float,
         seq_lens_cpu: list[int] | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """A decode-only step's attention, from the new tokens' projections to the output
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype: row ``i`` is sequence ``i``'s one new
@@ -84,7 +89,8 @@ class KernelOps(Protocol):
         ``rotary_embedding``, ``store_kv`` and ``paged_attention`` with one query per sequence.
         ``q``/``k``/``v`` may be strided views of a fused qkv projection. A padding row
         (``slot_mapping[i] < 0``) must have ``seq_lens[i] == 0``; its output is zeros.
-        ``seq_lens_cpu``, optional, only lets the lengths be checked against the table's capacity."""
+        ``seq_lens_cpu``, optional, only lets the lengths be checked against the table's capacity.
+        ``sliding_window`` as for ``paged_attention``."""
 
     def rms_norm(
         self,

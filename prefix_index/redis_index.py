@@ -22,17 +22,24 @@ which is exact whatever it holds. Clearing a replica is one UNLINK of its keys, 
 Hashes travel as one concatenated string (16 bytes each) rather than one argument per hash, which
 keeps the client's encoding and the script's argument setup cheap. Expiry uses the server clock
 (TIME), so gateways and engines need no synchronized clocks. Needs Redis >= 7.0.
+
+On a Redis Cluster (``redis+cluster://``) every key of one index shares the hash tag
+``{model:block_size}``: the scripts, which build replica keys from the prefix, run on the one
+node that holds that slot, and redis-py routes each call there by ``KEYS[1]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from prefix_index.events import (
     AllCleared,
@@ -44,7 +51,7 @@ from prefix_index.events import (
     pack_block_hashes,
 )
 from prefix_index.hashing import HASH_BYTES, BlockHash
-from prefix_index.index import IndexUnavailableError, PrefixIndex, ttl_ms
+from prefix_index.index import CLUSTER_SCHEMES, IndexUnavailableError, PrefixIndex, ttl_ms
 
 # The index must never hold up routing: fail within about a second and retry once, which is
 # enough to replace a pooled connection that a Redis restart broke. URL query options override.
@@ -91,11 +98,21 @@ local function h(i)
   end
   return v
 end
--- Number of leading positions where held(i) is true, for a held() that is true up to some point.
-local function leading(held)
+-- Number of leading positions where held(i) is true, for a held() that is true up to some point,
+-- trying ``hint`` first: replicas sharing a prompt's system prompt mostly stop where the one before
+-- stopped, and then two probes answer instead of a whole binary search.
+local function leading(held, hint)
   if n == 0 or not held(1) then return 0 end
-  if held(n) then return n end
-  local lo, hi = 1, n  -- held(lo), not held(hi)
+  local lo, hi = 1, n  -- held(lo), not held(hi) once held(n) is known false
+  if hint > 1 and hint < n then
+    if held(hint) then
+      if not held(hint + 1) then return hint end
+      lo = hint + 1
+    else
+      hi = hint
+    end
+  end
+  if hi == n and held(n) then return n end
   while hi - lo > 1 do
     local mid = math.floor((lo + hi) / 2)
     if held(mid) then lo = mid else hi = mid end
@@ -122,6 +139,7 @@ local function walk(pkey, skey, has_spec)
   return matched
 end
 local out = {}
+local hint = 0  -- the last replica's durable match
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
   local pkey, _, hkey, skey = replica_keys(replica)
   local has_spec = redis.call('EXISTS', skey) == 1
@@ -129,12 +147,15 @@ for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf'
   if redis.call('EXISTS', hkey) == 1 then
     matched = walk(pkey, skey, has_spec)
   else
-    matched = leading(function(i) return redis.call('HEXISTS', pkey, h(i)) == 1 end)
-    if has_spec and matched < n then
-      matched = math.max(matched, leading(function(i)
-        local e = redis.call('ZSCORE', skey, h(i))
-        return e and tonumber(e) > now
-      end))
+    matched = leading(function(i) return redis.call('HEXISTS', pkey, h(i)) == 1 end, hint)
+    if matched > 0 then hint = matched end
+    local function spec_held(i)
+      local e = redis.call('ZSCORE', skey, h(i))
+      return e and tonumber(e) > now
+    end
+    -- speculative entries matter only past the durable match: one probe says whether they reach it
+    if has_spec and matched < n and spec_held(matched + 1) then
+      matched = leading(spec_held, matched + 1)
     end
   end
   out[#out + 1] = replica
@@ -143,6 +164,8 @@ end
 return out
 """
 )
+
+LOOKUP_SHA = hashlib.sha1(_LOOKUP.encode()).hexdigest()  # names lookups in Redis's slow log and stats
 
 # KEYS[1] live; ARGV[3] replica, ARGV[4] epoch, ARGV[5] one op per event (S store, R remove,
 # C clear), ARGV[6] the hash count of each event, ARGV[7] the hashes of all events, each store
@@ -274,7 +297,7 @@ class RedisPrefixIndex(PrefixIndex):
         super().__init__(model, block_size, namespace)
         self._reap_after_ms = ttl_ms(reap_after_s)
         self._owns_client = client is None
-        self._redis = client if client is not None else Redis.from_url(url, **_CLIENT_DEFAULTS)
+        self._redis = client if client is not None else redis_client(url)
         self._keys = [f"{self.key_prefix}:live"]
         self._lookup = self._redis.register_script(_LOOKUP)
         self._apply = self._redis.register_script(_APPLY)
@@ -340,8 +363,33 @@ class RedisPrefixIndex(PrefixIndex):
             await self._redis.aclose()
 
 
+def redis_client(url: str) -> Redis | RedisCluster:
+    """A client for a ``redis://``-style URL, or a ``RedisCluster`` for a ``redis+cluster://`` one (any
+    Redis user of ``--index-url`` opens it here, so every scheme works for all of them).
+
+    A cluster URL lists its start-up nodes comma-separated (``redis+cluster://:PASS@a:6379,b:6379``);
+    credentials, path and query options apply to every node."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return Redis.from_url(url, **_CLIENT_DEFAULTS)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for host in hosts.split(","):
+        node = urlsplit(f"//{host}")
+        try:
+            port = node.port or 6379
+        except ValueError:
+            port = None
+        if not node.hostname or port is None:
+            raise ValueError(f"cluster index URL: {host!r} is not host[:port] in {url!r}")
+        nodes.append(ClusterNode(node.hostname, port))
+    first = urlunsplit((parts.scheme.removesuffix("+cluster"), userinfo + at + hosts.split(",")[0],
+                        parts.path, parts.query, ""))
+    return RedisCluster.from_url(first, startup_nodes=nodes[1:], **_CLIENT_DEFAULTS)
+
+
 async def _unavailable_on_error(call: Awaitable[Any]) -> Any:
     try:
         return await call
-    except (RedisError, OSError) as e:
+    except (RedisError, RedisClusterException, OSError) as e:  # the cluster's own errors are no RedisError
         raise IndexUnavailableError(f"redis: {e}") from e

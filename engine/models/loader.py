@@ -17,8 +17,9 @@ import numpy as np
 import structlog
 import torch
 
-from engine.config import ModelConfig, dummy_config
-from engine.models.llama import LlamaForCausalLM
+from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling, dummy_config
+from engine.models import build_model
+from engine.models.layers import CausalLM
 from engine.protocol import LOAD_FORMATS
 from kernels import KernelOps
 
@@ -37,7 +38,7 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_LAYER_NAMES = {
+_GGUF_LLAMA_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -48,6 +49,26 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GGUF_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GGUF_LAYER_NAMES = {
+    "llama": _GGUF_LLAMA_NAMES,
+    "qwen2": _GGUF_LLAMA_NAMES | {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
+    "qwen3": _GGUF_LLAMA_NAMES | _GGUF_QK_NORM_NAMES,
+    "gemma3": _GGUF_LLAMA_NAMES | _GGUF_QK_NORM_NAMES | {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+# llama.cpp interleaves each head's rotary halves of q and k for these (GPT-J style RoPE); the
+# others keep HF's rotate-half (NeoX) order.
+_GGUF_INTERLEAVED_ROPE = frozenset({"llama"})
+# llama.cpp stores Gemma's (1 + w) norm weights with the 1 added; transformers subtracts it.
+_GGUF_NORM_PLUS_ONE = frozenset({"gemma3"})
+# Gemma 3 settings llama.cpp does not store but hard-codes: 5 local layers to a global one, and
+# the local layers' RoPE base.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 class ModelLoadError(ValueError):
@@ -56,7 +77,7 @@ class ModelLoadError(ValueError):
 
 def load_model(
     model: str, load_format: str, device: torch.device | str, dtype: torch.dtype, ops: KernelOps
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """Build the model on ``device`` in ``dtype`` and load its weights; raises ModelLoadError.
 
     ``load_format``: ``gguf`` (llama.cpp file, dequantized), ``hf`` (config.json + *.safetensors),
@@ -115,7 +136,7 @@ def _detect_format(model: str) -> str:
     )
 
 
-def _fill(net: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: Path) -> None:
+def _fill(net: CausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: Path) -> None:
     start = time.perf_counter()
     try:
         count = net.load_weights(weights)
@@ -157,41 +178,73 @@ def _gguf_field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
     return field.contents()
 
 
+def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str) -> RopeScaling | None:
+    kind = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+            raise ModelLoadError("GGUF tensor 'rope_freqs.weight' (llama.cpp's form of Llama 3 RoPE scaling) is "
+                                 "not supported; serve the Hugging Face safetensors directory instead")
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (expected linear or yarn)")
+    return RopeScaling(
+        kind, _gguf_field(reader, f"{arch}.rope.scaling.factor"),
+        original_max_position_embeddings=_gguf_field(reader, f"{arch}.rope.scaling.original_context_length", None),
+    )
+
+
 def _gguf_config(reader: gguf.GGUFReader, name: str) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (expected 'llama')")
-    scaling = _gguf_field(reader, "llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ModelLoadError(f"GGUF llama.rope.scaling.type {scaling!r} is not supported")
-    hidden = _gguf_field(reader, "llama.embedding_length")
-    num_heads = _gguf_field(reader, "llama.attention.head_count")
-    head_dim = _gguf_field(reader, "llama.attention.key_length", hidden // num_heads)
-    rotary_dim = _gguf_field(reader, "llama.rope.dimension_count", head_dim)
+    if arch not in _GGUF_LAYER_NAMES:
+        expected = sorted(_GGUF_LAYER_NAMES)
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (expected one of {expected})")
+    hidden = _gguf_field(reader, f"{arch}.embedding_length")
+    num_heads = _gguf_field(reader, f"{arch}.attention.head_count")
+    num_layers = _gguf_field(reader, f"{arch}.block_count")
+    head_dim = _gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)
+    rotary_dim = _gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ModelLoadError(f"partial rotary embeddings ({rotary_dim} of {head_dim}) are not supported")
-    vocab_size = _gguf_field(reader, "llama.vocab_size", None)
+    vocab_size = _gguf_field(reader, f"{arch}.vocab_size", None)
     if vocab_size is None:
         vocab_size = len(_gguf_field(reader, "tokenizer.ggml.tokens"))
     eos = (
         _gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
         _gguf_field(reader, "tokenizer.ggml.eot_token_id", None),
     )
+    window = _gguf_field(reader, f"{arch}.attention.sliding_window", None)
+    sliding = {}
+    if arch == "gemma3":
+        sliding = dict(
+            layer_types=tuple(
+                FULL_ATTENTION if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0 else SLIDING_ATTENTION
+                for i in range(num_layers)
+            ),
+            sliding_window=window,
+            local_rope_theta=_GEMMA3_LOCAL_ROPE_THETA,
+            # as llama.cpp: only Gemma 3 27B (62 layers) scales queries by hidden / heads, not head_dim
+            query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
+        )
+    elif window:
+        raise ModelLoadError(f"GGUF {arch}.attention.sliding_window is not supported for {arch!r}")
     return ModelConfig(
         name=name,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
-        num_layers=_gguf_field(reader, "llama.block_count"),
+        intermediate_size=_gguf_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=_gguf_field(reader, "llama.attention.head_count_kv", num_heads),
+        num_kv_heads=_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        max_position_embeddings=_gguf_field(reader, "llama.context_length"),
-        rms_norm_eps=_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon"),
-        rope_theta=_gguf_field(reader, "llama.rope.freq_base", 10000.0),
+        max_position_embeddings=_gguf_field(reader, f"{arch}.context_length"),
+        rms_norm_eps=_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+        architecture=arch,
+        rope_scaling=_gguf_rope_scaling(reader, arch),
+        **sliding,
     )
 
 
@@ -217,23 +270,29 @@ def _gguf_tokenizer_info(reader: gguf.GGUFReader, config: ModelConfig) -> xgramm
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES[arch]:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[arch][parts[2]]}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch!r}")
 
 
 def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of the GGUF: dequantized (any type the gguf package reads: F32/F16/BF16,
+    Q4_0 … Q8_0, the K-quants), in HF's layout and values."""
     from gguf.quants import dequantize
 
+    arch = config.architecture
+    interleaved = arch in _GGUF_INTERLEAVED_ROPE
     rotary_heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
-        heads = rotary_heads.get(tensor.name.split(".", 2)[-1])
+        if arch in _GGUF_NORM_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1
+        heads = rotary_heads.get(tensor.name.split(".", 2)[-1]) if interleaved else None
         if heads:
             # llama.cpp interleaves each head's rotary halves; back to HF's rotate-half order.
             d_out, d_in = weight.shape
@@ -243,7 +302,7 @@ def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tupl
 
 def _load_gguf(
     path: Path, device: torch.device, dtype: torch.dtype, ops: KernelOps
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     start = time.perf_counter()
@@ -257,7 +316,7 @@ def _load_gguf(
         raise ModelLoadError(f"{path}: {exc}") from exc
     log.info("gguf_read", path=str(path), tensors=len(reader.tensors),
              seconds=round(time.perf_counter() - start, 2))
-    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    net = build_model(config, ops, device, dtype)
     _fill(net, _gguf_weights(reader, config), path)
     return net, config
 
@@ -270,22 +329,12 @@ def _hf_config(path: Path) -> ModelConfig:
         hf = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    if hf.get("model_type") != "llama":
-        raise ModelLoadError(
-            f"{path}: model_type {hf.get('model_type')!r} is not supported (expected 'llama')"
-        )
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, supported) != supported:
-            raise ModelLoadError(f"{path}: {key}={hf[key]!r} is not supported (expected {supported!r})")
-    # transformers 5 nests RoPE settings in rope_parameters; 4.x used rope_theta + rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported (expected 'default')")
     try:
         return ModelConfig.from_hf(hf, name=path.name)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{path / 'config.json'}: bad or missing setting: {exc}") from exc
+    except KeyError as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: missing setting {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
 
 
 def _hf_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -300,7 +349,7 @@ def _hf_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _load_hf(
     path: Path, device: torch.device, dtype: torch.dtype, ops: KernelOps
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} is not a directory with config.json")
     config = _hf_config(path)
@@ -311,7 +360,7 @@ def _load_hf(
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
-    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    net = build_model(config, ops, device, dtype)
     _fill(net, _hf_weights(files), path)
     return net, config
 
@@ -344,16 +393,18 @@ def _hf_tokenizer_info(path: Path, config: ModelConfig) -> xgrammar.TokenizerInf
 
 def _load_dummy(
     spec: str, device: torch.device, dtype: torch.dtype, ops: KernelOps
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     try:
         config = dummy_config(spec)
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"bad dummy model config {spec!r}: {exc}") from exc
-    net = LlamaForCausalLM(config, ops, device=device, dtype=dtype)
+    net = build_model(config, ops, device, dtype)
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     with torch.no_grad():
-        for param in net.parameters():
-            if param.dim() == 1:
+        for name, param in net.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
                 param.fill_(1.0)  # norm weights
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)

@@ -31,14 +31,16 @@ _MAX_DECODE_SPLITS = 64
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i, scale_log2):
+def _online_softmax(s, m_i, l_i, scale_log2, MAY_SEE_NONE: tl.constexpr):
     """Online-softmax update for raw scores ``s`` (hidden keys at -inf): the probabilities
     (base 2, scaled by the new row maxima), the factor that rescales the old accumulator, and
     the new maxima and sums. The scale is folded into one FMA per score (it is positive)."""
-    # Every row sees at least one key of its first tile, so m_new is finite from then on.
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    # Causally every row sees a key of its first tile, so m_new is finite from then on; behind a
+    # sliding window a row may see none of a tile (MAY_SEE_NONE): it keeps p = alpha = 0, not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_SEE_NONE else m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s * scale_log2 - m_ref[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -47,14 +49,17 @@ def _attend_tile(
     q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
     k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, kv_start=0, window=0,
 ):
     """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
     through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
-    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``)."""
+    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``),
+    "window" (keys ``kv_start … kv_end - 1`` are read; a row sees keys ``q_pos - window + 1 … q_pos``)."""
     tok = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
     tok_ok = tok < kv_end
+    if MASK == "window":  # the pages before kv_start may be freed: never read
+        tok_ok = tok_ok & (tok >= kv_start)
     if MASK == "none":
         block = tl.load(block_table_row + tok // BLOCK_SIZE)
     else:
@@ -75,7 +80,10 @@ def _attend_tile(
         s = tl.where(tok_ok[None, :], s, float("-inf"))
     elif MASK == "causal":
         s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    elif MASK == "window":
+        seen = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2, MASK == "window")
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -94,9 +102,15 @@ def _attend_new_tile(
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     if CAUSAL:
         s = tl.where(tile_start + tl.arange(0, BLOCK_N)[None, :] <= rows[:, None], s, float("-inf"))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2, False)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _window_start(seq_len, window):
+    """The first key a context of ``seq_len``'s last position sees (window 0: none)."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
 
 @triton.jit
@@ -106,11 +120,12 @@ def _split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum((share + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
 
 
-# The block table's width follows the batch: never specialize on it (nor on the split count).
-@triton.jit(do_not_specialize=["num_splits", "block_tables_stride"])
+# The block table's width follows the batch: never specialize on it (nor on the split count or
+# the window).
+@triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, scale_log2, num_splits,
+    out_ptr, partial_out_ptr, partial_lse_ptr, scale_log2, num_splits, window,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -119,15 +134,17 @@ def _decode_attention_kernel(
 ):
     """Program (seq, kv head, split): all GROUP query heads of one kv head over one key range,
     so each K/V tile is read once per group. With SPLIT it writes a partial (normalized output
-    and log2-sum-exp) for the reduce kernel, else the final output."""
+    and log2-sum-exp) for the reduce kernel, else the final output. A window (> 0) drops the
+    keys before the last ``window`` positions: the splits share the rest."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = _split_tokens(seq_len, num_splits, BLOCK_N)
-    start = split * tokens_per_split
+    first_key = _window_start(seq_len, window)
+    tokens_per_split = _split_tokens(seq_len - first_key, num_splits, BLOCK_N)
+    start = first_key + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     if q_len != 1:  # longer queries are the prefill kernel's
         return
@@ -168,9 +185,9 @@ def _decode_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_reduce_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr, num_splits,
+    partial_out_ptr, partial_lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr, num_splits, window,
     out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -183,8 +200,9 @@ def _decode_reduce_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = _split_tokens(seq_len, num_splits, BLOCK_N)
-    num_active = (seq_len + tokens_per_split - 1) // tokens_per_split
+    num_keys = seq_len - _window_start(seq_len, window)
+    tokens_per_split = _split_tokens(num_keys, num_splits, BLOCK_N)
+    num_active = (num_keys + tokens_per_split - 1) // tokens_per_split
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     active = s < num_active
@@ -200,20 +218,21 @@ def _decode_reduce_kernel(
     tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["block_tables_stride"])
+@triton.jit(do_not_specialize=["block_tables_stride", "window"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     key_desc, value_desc, scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-    cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
+    cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_Q_LEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_Q_LEN: tl.constexpr, SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (head, query tile, seq): BLOCK_M new tokens of one sequence against its paged
     prefix and, causally, its new chunk: read by TMA from ``key_desc``/``value_desc`` (the
     step's new K/V rows, when given), else through the block table like the prefix. Sequences
     with fewer than MIN_Q_LEN new tokens exit (the decode kernel takes single-token ones in
-    mixed batches)."""
+    mixed batches). SLIDING: each row sees only the last ``window`` positions up to its own; the
+    tile reads, through the block table, the keys from its first row's window start on."""
     # Heads of one kv head run side by side, so their K/V tiles are read from L2.
     head = tl.program_id(0)
     # Later query tiles see more keys: start them first.
@@ -238,6 +257,20 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+
+    if SLIDING:
+        kv_start = tl.maximum(prefix_len + q_tile * BLOCK_M - window + 1, 0)
+        causal_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+        for tile_start in range(kv_start // BLOCK_N * BLOCK_N, causal_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, q_pos, tile_start, causal_end, kv_head, block_table_row,
+                k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+                HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "window", DOT_DTYPE, DOT_PRECISION, kv_start, window,
+            )
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        return
 
     # Keys that exist and that every row of the tile sees, in whole tiles: no mask. Without the
     # new rows these run on into the chunk, up to the tile's first query position.
@@ -401,6 +434,10 @@ def _split_partials(
     return partial_out, partial_lse
 
 
+def _check_window(sliding_window: int | None) -> None:
+    _check(sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}")
+
+
 def _check_attention_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """q's ``[tokens, heads, head_dim]`` against the cache's heads: the same head_dim, and a
     whole group of query heads per kv head."""
@@ -457,7 +494,7 @@ def _check_paged_inputs(
 
 def _launch_split_k_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, window: int,
 ) -> None:
     """The decode kernel over the single-token sequences and, where it splits their keys, the
     reduce kernel that merges the splits."""
@@ -475,7 +512,7 @@ def _launch_split_k_decode(
     group = num_heads // num_kv_heads
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, partial_out, partial_lse, scale * _LOG2E, num_splits,
+        out, partial_out, partial_lse, scale * _LOG2E, num_splits, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
@@ -484,7 +521,7 @@ def _launch_split_k_decode(
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, seq_lens, query_start_loc, num_splits,
+            partial_out, partial_lse, out, seq_lens, query_start_loc, num_splits, window,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=head_dim_pad,
             SPLITS_PAD=_MAX_DECODE_SPLITS, BLOCK_N=tiles.block_n,
@@ -494,7 +531,7 @@ def _launch_split_k_decode(
 
 def _launch_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, window: int,
     key: torch.Tensor | None, value: torch.Tensor | None, max_q_len: int, min_q_len: int,
 ) -> None:
     """The prefill kernel over the sequences of at least ``min_q_len`` new tokens."""
@@ -502,13 +539,15 @@ def _launch_prefill(
     _, block_size, num_kv_heads, _ = k_cache.shape
     head_dim_pad = _dot_pad(head_dim)
     tiles = attention_tiles("prefill", head_dim_pad, q.dtype)
-    key_desc, value_desc = _new_rows_descriptors(key, value, tiles.block_n, head_dim_pad)
+    # A window tile reads every key through the block table (see _prefill_attention_kernel).
+    key_desc, value_desc = (None, None) if window else _new_rows_descriptors(key, value, tiles.block_n, head_dim_pad)
     _prefill_attention_kernel[(num_heads, triton.cdiv(max_q_len, tiles.block_m), seq_lens.shape[0])](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, key_desc, value_desc,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *_cache_strides(k_cache, block_tables),
+        *_cache_strides(k_cache, block_tables), window,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=min_q_len, **_dot_args(q.dtype),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=min_q_len, SLIDING=window > 0,
+        **_dot_args(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -517,13 +556,15 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
-    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Single-token sequences go to the split-K decode kernel, longer ones to the prefill
     kernel (both launch for a mixed batch). With ``key``/``value`` the prefill kernel reads each
     chunk's own keys from them by TMA (no block-table lookups) where their layout allows it
-    (see ``_new_rows_descriptors``), else from the cache."""
+    (see ``_new_rows_descriptors``), else from the cache. The window is a runtime argument: no
+    window size compiles a new variant (only window or none does)."""
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, key, value)
+    _check_window(sliding_window)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     _check_seq_lens_cpu(seq_lens_cpu, num_seqs, block_tables.shape[1] * k_cache.shape[1])
     if query_start_loc_cpu is not None:
@@ -537,7 +578,7 @@ def paged_attention(
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     _check(starts[-1] <= num_tokens, f"query_start_loc ends at {starts[-1]} past q's {num_tokens} tokens")
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window or 0)
     has_decode = 1 in q_lens
     if has_decode:
         _launch_split_k_decode(*args)

@@ -23,10 +23,12 @@ from kernels.triton_ops.attention import (
     _cache_strides,
     _check_attention_heads,
     _check_seq_lens_cpu,
+    _check_window,
     _dot_args,
     _dot_pad,
     _split_partials,
     _split_tokens,
+    _window_start,
     attention_tiles,
     decode_num_splits,
     fused_decode_kind,
@@ -52,18 +54,19 @@ def _load_rotated(row_ptr, d, rot_d, mask, cos, signed_sin):
 def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
     """The online-softmax step of one key held in registers (the new token's), in fp32."""
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2
-    m_new = tl.maximum(m_i, s)
+    m_new = tl.maximum(m_i, s)  # finite: every row sees this key
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
     return acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :], m_new, l_i * alpha + p
 
 
-# The block table's width follows the batch: never specialize on it (nor on the split count).
-@triton.jit(do_not_specialize=["num_splits", "block_tables_stride"])
+# The block table's width follows the batch: never specialize on it (nor on the split count or
+# the window).
+@triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
 def _fused_decode_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -76,21 +79,24 @@ def _fused_decode_kernel(
     (the context's last position) is rotated, stored and attended from registers by the split
     that holds it, so no program waits for another's store. With more than one split holding
     keys, each writes a partial (normalized output and log2-sum-exp) and counts its arrival;
-    the last to arrive merges the partials and resets the counter to 0 for the next launch."""
+    the last to arrive merges the partials and resets the counter to 0 for the next launch.
+    A window (> 0) drops the keys before the last ``window`` positions: the splits share the rest."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first_key = _window_start(seq_len, window)
+    num_keys = seq_len - first_key
     # The last program merges the partials one by one: at most MERGED_SPLITS of the splits share
     # the keys, more only past LONG_SPLIT_TOKENS keys each (a long context needs the programs).
-    long_splits = (seq_len + LONG_SPLIT_TOKENS - 1) // LONG_SPLIT_TOKENS
-    tokens_per_split = _split_tokens(seq_len, tl.minimum(num_splits, tl.maximum(long_splits, MERGED_SPLITS)), BLOCK_N)
+    long_splits = (num_keys + LONG_SPLIT_TOKENS - 1) // LONG_SPLIT_TOKENS
+    tokens_per_split = _split_tokens(num_keys, tl.minimum(num_splits, tl.maximum(long_splits, MERGED_SPLITS)), BLOCK_N)
     # A padding row (length 0) keeps one program: it writes the zeros.
-    num_active = tl.maximum((seq_len + tokens_per_split - 1) // tokens_per_split, 1)
+    num_active = tl.maximum((num_keys + tokens_per_split - 1) // tokens_per_split, 1)
     if split >= num_active:
         return
     holds_new = split == num_active - 1
-    start = split * tokens_per_split
+    start = first_key + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     paged_end = tl.maximum(tl.where(holds_new, end - 1, end), start)
 
@@ -228,15 +234,16 @@ def decode_attention(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    seq_lens_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One kernel launch. The split-K count follows the block table's width, as
     paged_attention's; the splits are merged by the last of them to finish, not by a second
     kernel. No host sync: it may be captured in a CUDA graph once it has run eagerly on the
-    device (see _arrival_counters)."""
+    device (see _arrival_counters). The window is a runtime argument, as paged_attention's."""
     _check_decode_inputs(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
     )
+    _check_window(sliding_window)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     capacity = block_tables.shape[1] * block_size
@@ -255,7 +262,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     _fused_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits,
+        out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group),

@@ -98,7 +98,7 @@ def test_decode_block_table_rows_follow_their_sequences(tiny):
     graphs = padded_graphs(core)
 
     def table_rows(n):
-        return graphs._tables[:n].tolist()
+        return graphs._tables[0, :n].tolist()
 
     graphs.run([a, b])
     assert [row[: len(s.block_ids)] for row, s in zip(table_rows(2), (a, b))] == [a.block_ids, b.block_ids]

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from benchmarks.hf_twin import hf_twin
-from engine.config import EngineConfig
+from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.core import EngineCore
+from engine.models import build_model
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.warmup import warmup
+from kernels import load_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -107,6 +109,39 @@ def test_no_triton_compilation_after_warmup(graphed, monkeypatch):
     sampled = SamplingParams(max_tokens=8, temperature=0.7, top_k=20, logprobs=3, repetition_penalty=1.2)
     generate(graphed, prompts(4)[:31], sampled, prefix="many")
     assert compiled == []
+
+
+# A Gemma 3 shape small enough to build twice: 5 sliding layers (48 keys) to a global one.
+GEMMA3_TINY = ModelConfig(
+    name="gemma3-tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=6, num_heads=4,
+    num_kv_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+    architecture="gemma3", layer_types=(SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,), sliding_window=48,
+    local_rope_theta=1e4, query_pre_attn_scalar=64, bos_token_id=2, eos_token_ids=(1,),
+    tie_word_embeddings=False,  # tied, random weights only echo the last token
+)
+
+
+def test_sliding_window_model_matches_the_reference_ops_with_cuda_graphs():
+    """fp32 Gemma 3 shape on CUDA — the Triton prefill, split-K and fused decode kernels with
+    windows, inside CUDA graphs — picks the torch reference ops' greedy tokens on the CPU."""
+    torch.manual_seed(0)
+    reference_model = build_model(GEMMA3_TINY, load_ops("torch"))
+    with torch.no_grad():
+        for param in reference_model.parameters():  # peaky: greedy near-ties are unlikely
+            param.copy_(1 + 0.1 * torch.randn_like(param) if param.dim() == 1 else 0.3 * torch.randn_like(param))
+    cuda_model = build_model(GEMMA3_TINY, load_ops("triton"), "cuda", torch.float32)
+    cuda_model.load_state_dict(reference_model.state_dict())
+    settings = dict(model="gemma3-tiny", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+                    max_model_len=1024, num_kv_blocks=512)
+    rng = random.Random(5)
+    ps = [[rng.randrange(3, 2048) for _ in range(n)] for n in (5, 47, 48, 49, 130, 300, 20, 700)]
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = generate(EngineCore.from_model(EngineConfig(**settings), reference_model, GEMMA3_TINY), ps, sampling)
+    core = EngineCore.from_model(EngineConfig(device="cuda", **settings), cuda_model, GEMMA3_TINY)
+    warmup(core)
+    assert core.runner.decode_graphs is not None
+    ours = generate(core, ps, sampling)
+    assert sum(a == b for a, b in zip(ours, expected)) >= len(ps) - 1, (ours, expected)
 
 
 def test_speculative_greedy_tokens_agree_with_hf_with_verification_graphs(monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from gw_harness import API_KEYS, CACHE_DIR, TINY_ENGINE_ARGS, Proc, start_engine, start_gateway
+from gw_harness import API_KEYS, CACHE_DIR, ENGINE_TOKEN, TINY_ENGINE_ARGS, Proc, start_engine, start_gateway
 
 from engine.protocol import default_model_path
 from gateway.tokenizer import Tokenizer, load_hf_tokenizer
@@ -50,6 +50,7 @@ def gateway(dummy_engine: Proc, tmp_path_factory) -> Iterator[Proc]:
 def smollm2_gateway(tmp_path_factory) -> Iterator[Proc]:
     """A gateway (no keys) that spawned one SmolLM2 engine: real weights, real vocabulary."""
     gw = start_gateway(tmp_path_factory.mktemp("smollm2") / "gateway.log", "--spawn-engines", "1",
-                       "--engine-args", "--num-kv-blocks 512 --max-num-seqs 16")
+                       "--engine-args", "--num-kv-blocks 512 --max-num-seqs 16",
+                       env={"KVGATE_ENGINE_TOKEN": ENGINE_TOKEN})
     yield gw
     gw.stop()

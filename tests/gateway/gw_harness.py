@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("KVGATE_CACHE_DIR", "~/.cache/kvgate")).expanduser()
 API_KEYS = ("sk-test-alpha", "sk-test-beta")
 TINY_ENGINE_ARGS = ["--load-format", "dummy", "--model", "tiny", "--num-kv-blocks", "2048"]
+# The engines' token of the gateways that spawn theirs, where a test also talks to those engines.
+ENGINE_TOKEN = "test-engine-token-0123456789abcdef"
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
 
 
 @dataclass
@@ -48,12 +52,17 @@ class Proc:
                 self.proc.wait()
 
 
-def start_process(argv: list[str], log_path: Path, ready_path: str, port: int, timeout: float = 300.0) -> Proc:
+def start_process(argv: list[str], log_path: Path, ready_path: str, port: int, timeout: float = 300.0,
+                  env: dict[str, str] | None = None, max_open_files: int | None = None) -> Proc:
     log_file = log_path.open("w")
     # OpenMP workers spin between the tiny model's steps; on two shared cores that starves everything else.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env)
+                            env=env, preexec_fn=limit_files if max_open_files is not None else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,17 +78,18 @@ def start_process(argv: list[str], log_path: Path, ready_path: str, port: int, t
     raise RuntimeError(f"{argv} not ready after {timeout}s:\n{log_path.read_text()[-4000:]}")
 
 
-def start_engine(log_path: Path, *engine_args: str) -> Proc:
+def start_engine(log_path: Path, *engine_args: str, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port), *engine_args]
-    return start_process(argv, log_path, "/health", port)
+    return start_process(argv, log_path, "/health", port, env=env)
 
 
-def start_gateway(log_path: Path, *gateway_args: str) -> Proc:
+def start_gateway(log_path: Path, *gateway_args: str, env: dict[str, str] | None = None,
+                  max_open_files: int | None = None) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--cache-dir", str(CACHE_DIR), *gateway_args]
-    return start_process(argv, log_path, "/ready", port)
+    return start_process(argv, log_path, "/ready", port, env=env, max_open_files=max_open_files)
 
 
 def lines_for(proc: Proc, request_id: str, wait: float = 5.0) -> list[dict]:

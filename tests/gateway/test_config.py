@@ -10,6 +10,7 @@ import pytest
 
 from engine.protocol import default_model_path
 from gateway.config import GatewayConfig, load_config
+from gateway.ratelimit import KeyLimits, KeyRing, tenant_id
 from gateway.settings import ConfigError
 
 ENGINE = ["--engine", "http://127.0.0.1:9001"]
@@ -37,12 +38,27 @@ def test_flags_and_env_with_flag_winning():
     assert config.shared_prefix_cache and config.trusted_proxies == ("10.0.0.0/8",)
 
 
-def test_api_key_file_adds_keys(tmp_path: Path):
+def test_api_key_file_adds_keys_with_their_limits(tmp_path: Path):
     keys = tmp_path / "keys"
-    keys.write_text("# ops keys\nsk-one\n\n  sk-two  \n")
-    config = load_config([*ENGINE, "--api-key", "sk-zero", "--api-key-file", str(keys)], environ={})
-    assert config.api_keys == ("sk-zero", "sk-one", "sk-two")
-    assert "sk-" not in repr(config) and config.summary()["api_keys"] == 3
+    keys.write_text("# ops keys\nsk-one\n\n  sk-two rps=2 tpm=600  \n")
+    config = load_config([*ENGINE, "--api-key", "sk-zero", "--api-key-file", str(keys), "--rate-limit-rps", "5"],
+                         environ={})
+    assert config.api_keys == ("sk-zero",) and config.api_key_file == str(keys)
+    assert "sk-" not in repr(config) and config.summary()["api_keys"] == 1
+    ring = KeyRing(config.api_keys, config.api_key_file, config.key_limits)
+    assert len(ring) == 3
+    assert ring.lookup("sk-one").limits == KeyLimits(5.0, None)  # the default limits
+    assert ring.lookup("sk-two").limits == KeyLimits(2.0, 600.0)
+    assert ring.lookup("sk-zero").tenant == tenant_id("sk-zero") and ring.lookup("sk-three") is None
+    keys.write_text("sk-one bogus=1\n")
+    with pytest.raises(ConfigError, match="line 1: unknown option 'bogus=1'"):
+        load_config([*ENGINE, "--api-key-file", str(keys)], environ={})
+
+
+def test_passwords_stay_out_of_the_summary():
+    config = load_config([*ENGINE, "--index-url", "redis://:s3cret@redis:6379/0"], environ={})
+    assert "s3cret" not in str(config.summary()) and config.summary()["index_url"] == "redis://:***@redis:6379/0"
+    assert config.rate_limit_url == "redis://:s3cret@redis:6379/0"  # the index's Redis by default
 
 
 def test_spawn_flags_pass_through():
@@ -71,10 +87,23 @@ def test_dataclass_defaults_are_the_settings_defaults():
     assert dataclasses.replace(loaded, engines=(), tokenizer="", cache_dir=GatewayConfig().cache_dir) == GatewayConfig()
 
 
+def test_chat_template_file_is_read_at_start(tmp_path: Path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config([*ENGINE, "--chat-template", str(template)], environ={}).chat_template == template.read_text()
+    template.write_text("  \n")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        load_config([*ENGINE, "--chat-template", str(template)], environ={})
+
+
 def test_spawned_engines_publish_to_a_shared_index_only():
     redis = load_config(["--index-url", "redis://127.0.0.1:6379/3"], environ={}).spawn.argv("h", 1, 0)
     assert redis[redis.index("--index-url") + 1] == "redis://127.0.0.1:6379/3"
     assert "--index-url" not in load_config(["--index-url", "memory://"], environ={}).spawn.argv("h", 1, 0)
+    cluster = "redis+cluster://:pw@10.0.0.1:6379,10.0.0.2:6379"
+    argv = load_config(["--index-url", cluster], environ={}).spawn.argv("h", 1, 0)
+    assert argv[argv.index("--index-url") + 1] == cluster
+    assert load_config(["--index-url", cluster, "--engine", "http://e:1"], environ={}).index_url == cluster
 
 
 @pytest.mark.parametrize("argv, env, named", [
@@ -91,6 +120,7 @@ def test_spawned_engines_publish_to_a_shared_index_only():
     (["--max-in-flight", "0"], {}, "--max-in-flight='0'"),
     (["--health-interval", "-1"], {}, "--health-interval='-1'"),
     (["--api-key-file", "/nonexistent/keys"], {}, "--api-key-file='/nonexistent/keys'"),
+    (["--chat-template", "/nonexistent/t.jinja"], {}, "--chat-template='/nonexistent/t.jinja': cannot read it"),
     ([*ENGINE, "--spawn-engines", "2"], {}, "--engine and --spawn-engines exclude each other"),
     ([*ENGINE, "--model", "x.gguf"], {}, "--model only applies with --spawn-engines"),
     ([*ENGINE, "--served-model-name", "m"], {}, "--served-model-name only applies with --spawn-engines"),
@@ -111,3 +141,28 @@ def test_cli_exits_2_naming_the_flag():
 
 def test_env_lists_are_comma_separated_and_trimmed():
     assert load_config(ENGINE, environ={"API_KEYS": "k1, k2,"}).api_keys == ("k1", "k2")
+
+
+def test_engine_dns_names_a_headless_service_and_excludes_spawning():
+    config = load_config(["--engine-dns", "kvgate-engine.kvgate.svc:8100"], environ={})
+    assert (config.engine_dns, config.spawn, config.engines) == (("kvgate-engine.kvgate.svc", 8100), None, ())
+    assert load_config([], environ={"KVGATE_ENGINE_DNS": "e:1"}).engine_dns == ("e", 1)
+    for bad in ("kvgate-engine", "kvgate-engine:http", ":8100", "e:0", "http://e:8100"):
+        with pytest.raises(ConfigError, match="--engine-dns=.*NAME:PORT"):
+            load_config(["--engine-dns", bad], environ={})
+    with pytest.raises(ConfigError, match="--engine-dns and --spawn-engines exclude each other"):
+        load_config(["--engine-dns", "e:1", "--spawn-engines", "2"], environ={})
+    with pytest.raises(ConfigError, match="--model only applies with --spawn-engines"):
+        load_config(["--engine-dns", "e:1", "--model", "x"], environ={})
+
+
+def test_a_cluster_index_url_serves_every_redis_user():
+    """The stored Responses conversations live where the index does: a cluster URL opens a cluster client."""
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+
+    from gateway.response_store import make_response_store
+
+    cluster = make_response_store("redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001", 60)
+    single = make_response_store("redis://127.0.0.1:6379/13", 60)
+    assert isinstance(cluster._redis, RedisCluster) and isinstance(single._redis, Redis)

@@ -1,8 +1,9 @@
 """A client that goes away aborts its engine request: the engine's running count returns to 0 and all its
-KV blocks are free again, for streamed and non-streamed requests."""
+KV blocks are free again, for streamed and non-streamed requests, and under a soak of many streams."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -63,3 +64,30 @@ def test_non_streaming_client_disconnect_aborts_the_engine_request(gateway, dumm
     (line,) = [x for x in lines_for(gateway, "disconnect-json") if x.get("event") == "request"]
     assert line["status"] == 499 and line["completion_tokens"] < LONG["max_tokens"]
     assert "the client left" in line["error"]
+
+
+async def test_disconnect_soak_leaks_no_block(gateway, dummy_engine):
+    """60 streams, 12 at a time, of which every third is dropped abruptly after a few chunks: every one
+    that stays ends whole, the engine ends idle with every block free and its integrity check passes."""
+    wait_for(dummy_engine, idle=True)
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    body = {**LONG, "max_tokens": 60, "stream": True}
+    gate = asyncio.Semaphore(12)
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        async with gate, client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            chunks = 0
+            async for line in resp.aiter_lines():
+                chunks += line.startswith("data: {")
+                if i % 3 == 0 and chunks == 3:
+                    return "dropped"  # leaving the block closes the connection mid-stream
+                if line == "data: [DONE]":
+                    return "whole" if chunks >= body["max_tokens"] else f"short:{chunks}"
+        return "cut"
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(60))), 120)
+    assert outcomes.count("dropped") == 20 and outcomes.count("whole") == 40
+    wait_for(dummy_engine, idle=True, timeout=20)
+    integrity = httpx.get(dummy_engine.url + "/debug/integrity").json()
+    assert integrity["ok"] and integrity["used"] == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from gw_harness import Proc, start_gateway
+from gw_harness import ENGINE_AUTH, ENGINE_TOKEN, Proc, start_gateway
 
 from engine.protocol import DEFAULT_MODEL_NAME
 
@@ -26,8 +26,8 @@ def model_ids(gw: Proc) -> list[str]:
 
 def test_spawned_and_url_gateways_list_the_engines_name(smollm2_gateway, tmp_path):
     url = engine_url(smollm2_gateway)
-    assert httpx.get(url + "/stats").json()["model"] == DEFAULT_MODEL_NAME
-    by_url = start_gateway(tmp_path / "gateway.log", "--engine", url)
+    assert httpx.get(url + "/stats", headers=ENGINE_AUTH).json()["model"] == DEFAULT_MODEL_NAME
+    by_url = start_gateway(tmp_path / "gateway.log", "--engine", url, env={"KVGATE_ENGINE_TOKEN": ENGINE_TOKEN})
     try:
         assert model_ids(by_url) == model_ids(smollm2_gateway) == [DEFAULT_MODEL_NAME]
     finally:

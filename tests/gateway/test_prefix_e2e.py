@@ -121,6 +121,27 @@ def ideal_cached(prompt: list[int], earlier: list[list[int]]) -> int:
     return min(best, (len(prompt) - 1) // BLOCK * BLOCK)
 
 
+async def test_sequential_new_conversations_spread_over_idle_engines(cluster: Cluster):
+    """On fresh engines, 6 conversations of 3 turns with distinct prompts, one after another through one
+    gateway: each engine gets two (the policy once put them all on one engine, by list order)."""
+    rng = random.Random(9)
+    gateway = client(cluster.gateways[0])
+    placed: dict[str, int] = {}
+    for _ in range(6):
+        prompt = [rng.randrange(300, 40000) for _ in range(100)]
+        replicas = set()
+        for _turn in range(3):
+            raw = await gateway.completions.with_raw_response.create(
+                model="tiny", prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+            replicas.add(raw.headers["x-kvgate-replica"])
+            prompt = prompt + [rng.randrange(300, 40000) for _ in range(40)]
+        assert len(replicas) == 1  # its later turns followed its first
+        engine = replicas.pop()
+        placed[engine] = placed.get(engine, 0) + 1
+        await asyncio.sleep(1.0)  # the gateway's next /stats polls (every 0.5 s) see the engine's cache
+    assert sorted(placed.values()) == [2, 2, 2], placed
+
+
 async def test_conversations_land_where_their_prefix_is(cluster: Cluster):
     """6 conversations of 4 turns at once, each turn on the other gateway than the turn before."""
     rng = random.Random(4)

@@ -5,7 +5,9 @@ mocked at the HTTP transport."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import random
 import uuid
 from collections.abc import Sequence
 
@@ -50,9 +52,10 @@ STATS = engine_stats(model=MODEL, block_size=BLOCK).to_wire()
     ([Candidate(7000, 500, 14000, 8), Candidate(0, 7500, 1500, 1)], 4096, (1, "load_override")),
     # a one-block match does not buy a long queue: waiting costs more than the 16 tokens it saves
     ([Candidate(16, 984, 200, 1), Candidate(0, 1000, 0, 0)], 4096, (1, "load_override")),
-    # nothing cached anywhere: the shortest queue, then the fewest requests, then the first listed
+    # nothing cached anywhere: the shortest queue, then the fewest requests, then the smallest KV footprint
     ([Candidate(0, 100, 50, 0), Candidate(0, 100, 10, 3), Candidate(0, 100, 10, 1)], 4096, (2, "prefix_miss")),
-    ([Candidate(0, 100, 0, 2), Candidate(0, 100, 0, 2)], 4096, (0, "prefix_miss")),
+    ([Candidate(0, 100, 0, 2, 0, 0.5), Candidate(0, 100, 0, 2, 0, 0.25)], 4096, (1, "prefix_miss")),
+    ([Candidate(0, 100, 0, 1, 0, 0.5), Candidate(0, 100, 0, 2, 0, 0.25)], 4096, (0, "prefix_miss")),
     # a busy replica (expected queue 9000) keeps a late turn, whose 7000 cached tokens would be
     # recomputed elsewhere, but a new conversation, which would recompute only its system prompt, moves
     ([Candidate(7000, 500, 0, 1, 9000), Candidate(0, 7500, 0, 0)], 4096, (0, "prefix_hit")),
@@ -62,7 +65,26 @@ STATS = engine_stats(model=MODEL, block_size=BLOCK).to_wire()
     ([Candidate(90, 10, 200, 2), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 50, (1, "load_override")),
 ])
 def test_pick(candidates: list[Candidate], bound: int, expected: tuple[int, str]):
-    assert pick(candidates, bound) == expected
+    assert pick(candidates, bound, random.Random(0)) == expected
+
+
+def test_ties_are_drawn_at_random_never_by_list_order():
+    rng = random.Random(1)
+    counts = collections.Counter(pick([Candidate(0, 100, 0, 0, 0, 0.1)] * 4, 4096, rng)[0] for _ in range(400))
+    assert sorted(counts) == [0, 1, 2, 3] and min(counts.values()) >= 70, counts
+    # a tie in work and requests with a footprint apart is no tie
+    assert {pick([Candidate(0, 100, 0, 0, 0, 0.1), Candidate(0, 100, 0, 0, 0, 0.0)], 4096, rng)[0]
+            for _ in range(50)} == {1}
+
+
+def test_the_kv_footprint_is_the_larger_of_blocks_in_use_and_blocks_cached():
+    r = replica("a", "e0")
+    assert r.kv_footprint == 0.0
+    r.stats = engine_stats(num_free_blocks=48, num_cached_blocks=8)  # 16 of 64 in use
+    assert r.kv_footprint == 0.25
+    r.stats = engine_stats(num_free_blocks=60, num_cached_blocks=32)  # idle, half of it cached
+    assert r.kv_footprint == 0.5
+    assert replica("b").kv_footprint == 0.0  # no /stats yet
 
 
 # --- the router over an index ---
@@ -199,6 +221,37 @@ async def test_a_busy_replica_sheds_new_work_though_its_queue_is_empty(index_url
     busy.utilization = 0.8  # four: 208 tokens, past it
     decision = await router.choose(RouteRequest(PROMPT, None), [busy, idle])
     assert (decision.replica, decision.reason) == (idle, "load_override")
+    await router.close()
+    await index.close()
+
+
+@pytest.mark.parametrize("num_replicas, turns", [(2, 2), (3, 3), (4, 4)])
+async def test_sequential_new_conversations_spread_evenly_over_idle_replicas(index_url, num_replicas, turns):
+    """Conversations with distinct system prompts, one after another, each of ``turns`` turns: every
+    replica gets as many. The engines are played here: each request's blocks become durable entries
+    of its replica and count in the replica's /stats, as the next poll would report them."""
+    ids = [f"e{i}" for i in range(num_replicas)]
+    index = await live_index(index_url, {replica_id: [] for replica_id in ids})
+    router = await started_router(index_url)
+    replicas = [replica(f"r{i}", replica_id) for i, replica_id in enumerate(ids)]
+    held: dict[str, set[bytes]] = {replica_id: set() for replica_id in ids}
+    placed = collections.Counter()
+    for conversation in range(num_replicas * 3):
+        prompt = [1000 + conversation] * 48  # its own system prompt
+        for turn in range(turns):
+            prompt = prompt + [5000 + turn] * 40
+            decision = await router.choose(RouteRequest(prompt, None), replicas)
+            if turn == 0:
+                assert decision.reason == "prefix_miss"
+                placed[decision.replica.url] += 1
+            else:
+                assert decision.reason == "prefix_hit"  # later turns follow their first
+            chosen = decision.replica
+            hashes = block_hashes(prompt, BLOCK)
+            await index.apply(KVEventBatch(chosen.replica_id, 1, [BlockStored(hashes)]))
+            held[chosen.replica_id].update(hashes)
+            chosen.stats = dataclasses.replace(chosen.stats, num_cached_blocks=len(held[chosen.replica_id]))
+    assert sorted(placed.values()) == [3] * num_replicas, placed
     await router.close()
     await index.close()
 

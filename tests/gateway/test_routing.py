@@ -8,13 +8,14 @@ import httpx
 import msgpack
 import pytest
 from stats_testing import engine_stats
+from structlog.testing import capture_logs
 
 from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError, SamplingParams, TokenLogprob
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.engine_client import EngineClient, EngineFailed, EngineRejected, EngineUnavailable
 from gateway.metrics import GatewayMetrics
-from gateway.pool import EnginePool
+from gateway.pool import EnginePool, resolve_addresses
 from gateway.replica import Replica
 from gateway.router import LeastLoadRouter, PrefixRouter, RoundRobinRouter, RouteRequest, make_router
 
@@ -113,6 +114,45 @@ async def test_wait_ready_times_out_naming_the_replicas():
         pool = EnginePool(["http://a:1"], transport)
         with pytest.raises(RuntimeError, match="http://a:1: engine http://a:1 not ready"):
             await pool.wait_ready(timeout=0.3, require_all=True)
+
+
+async def test_engine_dns_adds_and_drops_replicas_without_a_restart():
+    """A headless Service's A records: pods come (ready and routed to at the next poll) and go."""
+    records = {"10.0.0.1"}
+    answers = {"10.0.0.1": stats("a"), "10.0.0.2": stats("b"), "fd00::3": stats("c")}
+
+    async def resolver(name: str, port: int) -> set[str]:
+        assert (name, port) == ("kvgate-engine", 8100)
+        if isinstance(records, OSError):
+            raise records
+        return set(records)
+
+    async with engine_transport(answers) as transport:
+        pool = EnginePool(["http://10.0.0.9:8100"], transport, dns=("kvgate-engine", 8100), resolver=resolver)
+        answers["10.0.0.9"] = stats("static")
+        await pool.wait_ready(timeout=5, require_all=True)
+        assert [r.url for r in pool.ready_replicas()] == ["http://10.0.0.9:8100", "http://10.0.0.1:8100"]
+        pool.export_metrics()
+        records = {"10.0.0.2", "fd00::3"}  # a scaled out, then rescheduled
+        await pool.poll()
+        assert [r.url for r in pool.ready_replicas()] == [
+            "http://10.0.0.9:8100", "http://10.0.0.2:8100", "http://[fd00::3]:8100"]
+        gauges = {s.labels["replica"] for s in pool.metrics.replica_ready.collect()[0].samples}
+        assert "http://10.0.0.1:8100" not in gauges  # its gauges went with it
+        records = OSError("resolver timed out")
+        with capture_logs() as logs:
+            await pool.poll()
+            await pool.poll()
+        assert len(pool.ready_replicas()) == 3  # a failing resolver drops nothing
+        assert [e["event"] for e in logs if e["event"].startswith("engine_dns")] == ["engine_dns_failed"]
+        records = set()  # no ready pod: no engine from the name
+        await pool.poll()
+        assert [r.url for r in pool.replicas] == ["http://10.0.0.9:8100"]
+
+
+async def test_resolve_addresses_answers_from_the_system_resolver():
+    assert "127.0.0.1" in await resolve_addresses("localhost", 8100)
+    assert await resolve_addresses("no-such-engine.invalid", 8100) == set()
 
 
 def test_engine_stats_round_trip():

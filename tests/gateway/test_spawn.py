@@ -1,5 +1,5 @@
 """`--spawn-engines`: the gateway starts its engines, fails over when one dies, answers 503 when all are
-gone and 429 when its in-flight limit is reached; also --root-path and an open (keyless) API."""
+gone and when its in-flight limit is reached; also --root-path and an open (keyless) API."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ def test_open_api_serves_the_spawned_model(spawning_gateway):
     assert {x["replica"] for x in lines} == {e["url"] for e in engines_of(spawning_gateway)}
     assert {x["route"] for x in lines} == {"round_robin"}
     assert all("tenant" not in x for x in lines)  # no keys: no tenant, no salt
+    for engine in engines_of(spawning_gateway):  # a random token of the gateway's guards each engine
+        assert httpx.get(engine["url"] + "/stats").status_code == 401
+        assert httpx.get(engine["url"] + "/health").status_code == 200
 
 
 def test_root_path_shows_in_urls(spawning_gateway):
@@ -69,21 +72,21 @@ def test_root_path_shows_in_urls(spawning_gateway):
     assert resp.status_code == 404 and "POST /llm/v1/nope" in resp.json()["error"]["message"]
 
 
-def test_in_flight_limit_answers_429_with_retry_after(spawning_gateway):
+def test_in_flight_limit_answers_503_with_retry_after(spawning_gateway):
     body = {"model": "tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", spawning_gateway.url + "/v1/completions", json=body, timeout=30) as busy:
         lines = busy.iter_lines()  # held: dropping the iterator would close the connection
         next(lines)  # the one allowed request is running
         resp = httpx.post(spawning_gateway.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
-        assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "service_unavailable_error"
     client = openai.OpenAI(base_url=spawning_gateway.url + "/v1", api_key="unused", max_retries=0)
     deadline = time.monotonic() + 10
     while True:  # the slot frees once the closed stream is cleaned up
         try:
             client.completions.create(model="tiny", prompt="x", max_tokens=1)
             break
-        except openai.RateLimitError:
+        except openai.InternalServerError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
 

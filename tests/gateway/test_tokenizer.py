@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 
 from engine.protocol import default_model_path
 from gateway.schemas import ChatCompletionRequest
-from gateway.tokenizer import ConversationTokens, Tokenizer, load_hf_tokenizer
+from gateway.tokenizer import ByteLRU, Tokenizer, load_hf_tokenizer
 
 # OpenAI-shaped conversations, and what the chat template sees of them (developer → system, text parts
 # joined with newlines).
@@ -85,9 +85,9 @@ def test_without_a_system_message_only_the_last_message_boundary(tokenizer):
 def test_system_probe_is_cached_per_system_prompt(tokenizer):
     system = {"role": "system", "content": "A cached system prompt."}
     tokenizer.chat_prompt(template_messages([system, {"role": "user", "content": "one"}]))
-    hits = tokenizer._probe_tokens.cache_info().hits
+    hits = tokenizer._cache.hits
     again = tokenizer.chat_prompt(template_messages([system, {"role": "user", "content": "two"}]))
-    assert tokenizer._probe_tokens.cache_info().hits == hits + 1
+    assert tokenizer._cache.hits == hits + 1  # the system probe (the conversation, new, is no hit)
     assert tokenizer.decode(again.token_ids[: again.cache_boundaries[0]], skip_special_tokens=False).endswith(
         "A cached system prompt.<|im_end|>\n")
 
@@ -176,22 +176,38 @@ def test_a_conversation_is_tokenized_once(hf_tokenizer, system):
 
 
 def test_a_conversation_evicted_from_the_cache_is_tokenized_whole(hf_tokenizer):
-    tok = Tokenizer(hf_tokenizer, conversation_cache_tokens=1)  # holds nothing
+    tok = Tokenizer(hf_tokenizer, cache_bytes=1)  # holds nothing
     tok.backend = RecordingBackend(tok.backend)
     for messages, prompt, encoded in converse(tok):
         assert prompt.text in encoded
         assert prompt.cache_boundaries == probed_boundaries(tok, messages)
 
 
-def test_conversation_tokens_keep_the_most_recently_used():
-    cache = ConversationTokens(max_tokens=6)
-    cache.put("a", [1, 2])
-    cache.put("b", [3, 4])
-    assert list(cache.get("a")) == [1, 2]  # now the most recently used
-    cache.put("c", [5, 6, 7])  # 7 tokens: the least recently used, b, goes
-    assert cache.get("b") is None and list(cache.get("c")) == [5, 6, 7] and cache.num_tokens == 5
-    cache.put("d", list(range(7)))  # larger than the whole cache: not kept
-    assert cache.get("d") is None and len(cache) == 2
+def test_byte_lru_keeps_the_most_recently_used_within_its_bytes():
+    cache = ByteLRU(max_bytes=6)
+    cache.put("a", [1, 2], 2)
+    cache.put("b", [3, 4], 2)
+    assert cache.get("a") == [1, 2]  # now the most recently used
+    cache.put("c", [5, 6, 7], 3)  # 7 bytes: the least recently used, b, goes
+    assert cache.get("b") is None and cache.get("c") == [5, 6, 7] and cache.num_bytes == 5
+    cache.put("d", list(range(7)), 7)  # larger than the whole cache: not kept
+    assert cache.get("d") is None and len(cache) == 2 and cache.hits == 2
+
+
+def test_caches_are_per_tenant_and_bounded_in_bytes(hf_tokenizer):
+    """A tenant never reuses another's entry (the timing oracle), and a large prompt costs its bytes."""
+    tok = Tokenizer(hf_tokenizer, cache_bytes=1 << 20)
+    system = {"role": "system", "content": "Shared words. " * 200}
+    turn1 = [system, {"role": "user", "content": "one"}]
+    tok.chat_prompt(turn1, tenant="key-a")
+    hits = tok._cache.hits
+    tok.chat_prompt(turn1, tenant="key-b")
+    assert tok._cache.hits == hits  # b's first request: nothing of a's
+    tok.chat_prompt(turn1, tenant="key-a")
+    assert tok._cache.hits > hits
+    big = {"role": "system", "content": "word " * 300_000}  # ~1.5 MB: more than the cache
+    tok.chat_prompt([big, {"role": "user", "content": "x"}], tenant="key-a")
+    assert tok._cache.num_bytes <= 1 << 20
 
 
 @pytest.fixture(scope="module")

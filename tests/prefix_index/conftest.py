@@ -7,15 +7,25 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import redis
-from index_testing import SHARED_REDIS_URL, RedisServer, delete_namespace, free_port
+from index_testing import SHARED_REDIS_URL, RedisClusterServers, RedisServer, delete_namespace, free_port
 
 from prefix_index.index import PrefixIndex, open_index
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """One Redis Cluster (3 masters, 3 replicas) for the session's suite runs on it."""
+    cluster = RedisClusterServers(str(tmp_path_factory.mktemp("redis-cluster")))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def backend_url(request: pytest.FixtureRequest) -> str:
     if request.param == "memory":
         return f"memory://test-{uuid.uuid4().hex}"
+    if request.param == "redis-cluster":
+        return request.getfixturevalue("redis_cluster").url
     try:
         redis.Redis.from_url(SHARED_REDIS_URL, socket_connect_timeout=1).ping()
     except redis.ConnectionError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 import msgpack
 import numpy as np
@@ -44,3 +45,18 @@ def test_block_hashes_chain_full_blocks_and_resume_from_a_prefix():
     assert block_hashes(tokens, 4, extra_keys=("lora", 1)) != hashes
     with pytest.raises(ValueError, match="block_size"):
         block_hashes(tokens, 0)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("salt, extra_keys", [(None, ()), ("tenant", ()), (None, (5, "lora-a"))])
+def test_block_hashes_equal_hash_block_chained(block_size, salt, extra_keys):
+    """The batched path feeds blake2b the same bytes as hash_block, block by block."""
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(200_000) for _ in range(203)]
+    reference, parent = [], None
+    for i in range(len(tokens) // block_size):
+        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size], salt, extra_keys)
+        reference.append(parent)
+    assert block_hashes(tokens, block_size, salt, extra_keys) == reference
+    assert block_hashes(tokens, block_size, salt, extra_keys, prefix=reference[:7]) == reference
+    assert block_hashes(tokens, block_size, salt, extra_keys, prefix=reference) == reference

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
-import subprocess
 import threading
 import uuid
 
 import pytest
 import redis
-from index_testing import SHARED_REDIS_URL, delete_namespace, free_port, wait_until
-from redis.asyncio.cluster import RedisCluster
+from index_testing import SHARED_REDIS_URL, RedisClusterServers, delete_namespace, free_port, wait_until
 from redis.crc import key_slot
 
 from prefix_index.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
-from prefix_index.index import IndexUnavailableError, open_index
+from prefix_index.index import IndexUnavailableError, open_index, redact_url
 
 BS = 16
 LIVE_S = 60.0
@@ -55,6 +52,23 @@ async def test_longest_prefix_counts_only_unbroken_chains(open_test_index):
     assert await index.lookup(h[:1]) == {"gap": 1, "deep": 1, "empty": 0, "tail": 0}
     assert await index.lookup([]) == {"gap": 0, "deep": 0, "empty": 0, "tail": 0}
     assert await index.lookup(chain(8, seed=1)) == {"gap": 0, "deep": 0, "empty": 0, "tail": 0}
+
+
+async def test_many_replicas_with_matches_above_below_and_equal_to_their_neighbours(open_test_index):
+    """Redis tries the last replica's match first: every order of deeper, shallower, equal, full and
+    empty answers is exact, and speculative entries count only past the durable match."""
+    index = open_test_index()
+    h = chain(12)
+    depths = [5, 5, 3, 12, 0, 5, 7, 1, 11, 6, 2, 12, 5]
+    for i, depth in enumerate(depths):
+        await join(index, f"r{i:02}", h[:depth])
+    await index.insert_speculative("r02", h[:9], LIVE_S)  # 3 durable, 9 speculative
+    await index.insert_speculative("r06", h[:4], LIVE_S)  # shorter than its 7 durable
+    await index.insert_speculative("r04", h[:1], LIVE_S)  # nothing durable
+    expected = {f"r{i:02}": d for i, d in enumerate(depths)} | {"r02": 9, "r04": 1}
+    assert await index.lookup(h) == expected
+    assert await index.lookup(h[:6]) == {r: min(d, 6) for r, d in expected.items()}
+    assert await index.lookup(h[:1]) == {r: min(d, 1) for r, d in expected.items()}
 
 
 async def test_holes_left_by_evictions_cut_the_prefix_until_refilled(open_test_index):
@@ -405,44 +419,78 @@ async def test_redis_down_raises_index_unavailable():
     await index.close()
 
 
-async def test_redis_cluster_runs_every_operation(redis_servers, tmp_path):
-    """Three masters: the hash tag keeps each model's keys, and so each script, on one node."""
-    ports = [free_port() for _ in range(3)]
-    for port in ports:
-        redis_servers(port, "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
-                      "--cluster-config-file", f"nodes-{port}.conf", cwd=str(tmp_path))
-    created = subprocess.run(
-        [shutil.which("redis-cli"), "--cluster", "create",
-         *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"],
-        capture_output=True, text=True, timeout=30,
-    )
-    assert created.returncode == 0, created.stdout + created.stderr
-
-    def cluster_ok():
-        states = []
-        for port in ports:
-            with redis.Redis(port=port) as node:
-                states.append(node.cluster("INFO")["cluster_state"])
-        return states == ["ok"] * len(ports)
-
-    await wait_until(cluster_ok, what="the cluster to be ready")
-    client = RedisCluster(host="127.0.0.1", port=ports[0])
-    models = ["llama-3-8b", "qwen3-0.6b", "smollm2-135m"]  # tags land in different slots
-    slots = {key_slot(f"kvgate:{{{m}:{BS}}}:live".encode()) for m in models}
-    assert len(slots) == 3
+async def test_a_cluster_failover_of_the_models_slot_keeps_the_index(tmp_path):
+    """The master holding a model's slot dies; its replica takes over and the index answers as before,
+    through the same redis+cluster:// URL, while another model's keys live on another master."""
+    cluster = RedisClusterServers(str(tmp_path))
+    index = other = None
     try:
-        for model in models:
-            index = open_index(f"redis://127.0.0.1:{ports[0]}", model, BS, redis_client=client)
-            h = chain(40)
-            await join(index, "e0", h[:30])
-            await join(index, "e1", h[:2])
-            await store(index, "e1", [h[3]], parent=h[2])
-            await index.insert_speculative("e1", h[:3], LIVE_S)
-            await index.apply(KVEventBatch("e0", 1, [BlockRemoved([h[20]])]))
-            assert await index.lookup(h) == {"e0": 20, "e1": 4}
-            assert await index.live_replicas() == {"e0", "e1"}
-            await index.clear("e1")
-            assert await index.lookup(h) == {"e0": 20, "e1": 0}
-            await index.close()  # the injected client stays open
+        index = open_index(cluster.url, "llama-3-8b", BS)
+        other = open_index(cluster.url, "qwen3-0.6b", BS)
+        slot = key_slot(f"{index.key_prefix}:live".encode())
+        assert slot != key_slot(f"{other.key_prefix}:live".encode())
+        h = chain(40)
+        await join(index, "e0", h[:30])
+        await join(index, "e1", h[:2])
+        await store(index, "e1", [h[3]], parent=h[2])
+        await index.insert_speculative("e1", h[:3], LIVE_S)
+        await index.apply(KVEventBatch("e0", 1, [BlockRemoved([h[20]])]))
+        await join(other, "e0", h[:5])
+        assert await index.lookup(h) == {"e0": 20, "e1": 4}
+
+        roles = {}
+        for server in cluster.servers:
+            with cluster.node(server.port) as node:
+                keys = node.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+                roles[server.port] = (node.info("replication"), keys)
+        (master_port,) = [p for p, (info, keys) in roles.items() if info["role"] == "master" and keys > 0]
+        (replica_port,) = [p for p, (info, _) in roles.items() if info.get("master_port") == master_port]
+        with cluster.node(master_port) as node:
+            assert node.execute_command("WAIT", 1, 5000) == 1  # every write is on the replica
+        (dying,) = [s for s in cluster.servers if s.port == master_port]
+        dying.stop()
+        with cluster.node(replica_port) as node:
+            assert node.execute_command("CLUSTER", "FAILOVER", "TAKEOVER") in (b"OK", True)
+
+        async def answers():
+            try:
+                return await index.lookup(h)
+            except IndexUnavailableError:
+                return None  # the client finds the new master on a later call
+
+        assert await wait_until(answers, 30, "the index to answer after the failover") == {"e0": 20, "e1": 4}
+        with cluster.node(replica_port) as node:
+            assert node.info("replication")["role"] == "master"
+        await store(index, "e1", [h[4]], parent=h[3])  # writes go to the new master
+        assert await index.heartbeat("e1", 1, LIVE_S)
+        assert await index.lookup(h) == {"e0": 20, "e1": 5}
+        assert await other.lookup(h) == {"e0": 5}
     finally:
-        await client.aclose()
+        for opened in (index, other):
+            if opened is not None:
+                await opened.close()
+        cluster.stop()
+
+
+def test_logged_urls_hide_the_password():
+    assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redact_url("redis+cluster://app:s3cret@a:1,b:2/0?x=1") == "redis+cluster://app:***@a:1,b:2/0?x=1"
+    assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert redact_url("memory://") == "memory://"
+
+
+@pytest.mark.parametrize("url", [
+    "redis+cluster://",
+    "redis+cluster://127.0.0.1:7000,:7001",
+    "redis+cluster://127.0.0.1:70x0",
+])
+def test_malformed_cluster_urls_are_refused(url):
+    with pytest.raises(ValueError, match="cluster index URL"):
+        open_index(url, "m", BS)
+
+
+async def test_a_cluster_that_does_not_answer_raises_index_unavailable():
+    index = open_index(f"redis+cluster://:secret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}", "m", BS)
+    with pytest.raises(IndexUnavailableError):
+        await index.lookup(chain(2))
+    await index.close()

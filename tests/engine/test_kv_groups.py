@@ -1,0 +1,243 @@
+"""The hybrid KV cache (engine.kv_groups): layer groups, exact block ids of window groups, prefix
+hits every group can serve, and the engine on a sliding-window model end to end."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
+from engine.core import EngineCore
+from engine.kv_groups import FREED, HybridKVCacheManager, KVLayout, group_tables, kv_layout
+from engine.models import build_model
+from engine.protocol import EngineStats, GenerateRequest, SamplingParams
+from engine.request import Sequence
+from kernels import load_ops
+
+BLOCK = 4
+WINDOW = 8  # two blocks
+LAYOUT = KVLayout(group_windows=(0, WINDOW), layer_group=(1, 0), layer_slot=(0, 0), group_size=1)
+
+
+def gemma3_shape(num_layers: int, window: int, **extra) -> ModelConfig:
+    layer_types = tuple(FULL_ATTENTION if (i + 1) % 6 == 0 else SLIDING_ATTENTION for i in range(num_layers))
+    return ModelConfig(
+        name="gemma3-test", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=num_layers,
+        num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=8192, architecture="gemma3",
+        layer_types=layer_types, sliding_window=window, local_rope_theta=1e4, query_pre_attn_scalar=32,
+        eos_token_ids=(1,), tie_word_embeddings=False, **extra,
+    )
+
+
+def test_layout_groups_layers_by_kind():
+    gemma = kv_layout(gemma3_shape(18, 512))
+    assert gemma.group_windows == (0,) + (512,) * 5 and gemma.group_size == 3
+    assert [gemma.layer_group[i] for i in (5, 11, 17)] == [0, 0, 0]
+    assert [gemma.layer_slot[i] for i in (5, 11, 17)] == [0, 1, 2]
+    assert gemma.layer_group[:5] == (1, 1, 1, 2, 2) and gemma.layer_slot[:5] == (0, 1, 2, 0, 1)
+    assert gemma.layer_group[6:11] == (2, 3, 3, 3, 4)
+    mistral = ModelConfig(name="m", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=1,
+                          num_kv_heads=1, head_dim=8, max_position_embeddings=64,
+                          layer_types=(SLIDING_ATTENTION,) * 4, sliding_window=16)
+    assert kv_layout(mistral) == KVLayout((16,), (0,) * 4, (0, 1, 2, 3), 4)
+    llama = kv_layout(ModelConfig(name="l", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3,
+                                  num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=64))
+    assert llama == KVLayout((0,), (0,) * 3, (0, 1, 2), 3) and not llama.hybrid
+
+
+def new_seq(tokens: list[int], rid: str = "a") -> Sequence:
+    return Sequence(rid, 0, tokens, SamplingParams(max_tokens=100), None, [], None)
+
+
+def step(kv: HybridKVCacheManager, seq: Sequence, num_new: int) -> None:
+    """What scheduler and runner do for one step of ``seq``: allocate, compute, record."""
+    if not seq.block_ids and not seq.num_computed_tokens:
+        assert kv.allocate(seq, num_new, kv.match_prefix(seq)) is not None
+    else:
+        assert kv.allocate(seq, num_new) is not None
+    seq.num_computed_tokens += num_new
+    kv.cache_computed_blocks(seq)
+    kv.check_integrity([seq])
+
+
+def test_window_group_frees_blocks_that_leave_the_window_with_exact_ids():
+    kv = HybridKVCacheManager(16, BLOCK, LAYOUT)
+    seq = new_seq(list(range(100, 110)))
+    step(kv, seq, 10)  # 10 tokens: 3 blocks per group, nothing out of the window [2, 10) yet
+    assert group_tables(seq) == [[0, 1, 2], [3, 4, 5]]
+    for token in range(110, 114):  # decode to 14 tokens
+        seq.append_token(token)
+        step(kv, seq, 1)
+    # 11th and 12th tokens fit block 2; the 13th opens block 3 of each group (6 and 7); from 12
+    # computed tokens on, block 0 of the window group ([0, 4)) lies before 12 - 8: freed, hashed.
+    assert group_tables(seq) == [[0, 1, 2, 6], [FREED, 4, 5, 7]]
+    assert list(kv.free_queue)[-1] == 3 and kv.block_hash[3] is not None and kv.cached[1][kv.block_hash[3]] == 3
+    for token in range(114, 140):
+        seq.append_token(token)
+        step(kv, seq, 1)
+        held = kv.group_block_counts(seq)
+        assert held[1] <= math.ceil(WINDOW / BLOCK) + 1 and held[0] == math.ceil(seq.num_tokens / BLOCK) - (
+            seq.num_tokens % BLOCK == 0 and seq.num_computed_tokens < seq.num_tokens)
+    assert group_tables(seq)[1][:-3] == [FREED] * (len(group_tables(seq)[1]) - 3)
+    kv.free(seq)
+    assert kv.check_integrity([]).used == 0
+
+
+def evict(kv: HybridKVCacheManager, block_id: int) -> None:
+    """Evict one free block as an allocation would (least recently used first)."""
+    kv.free_queue.move_to_end(block_id, last=False)
+    kv._take_free_block()
+    kv.ref_cnt[block_id] = 0
+    kv.free_queue[block_id] = None
+
+
+def test_prefix_hit_is_the_longest_every_group_serves():
+    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
+    prompt = list(range(200, 230))  # 30 tokens: 7 full blocks
+    first = new_seq(prompt)
+    step(kv, first, 30)
+    full = list(first.block_ids)
+    kv.free(first)
+    window = [kv.cached[1][h] for h in first.block_hashes]  # blocks before the window went back hashed
+    # Every group still holds its blocks' hashes: the hit is the 28 tokens of 7 blocks
+    again = new_seq(prompt, "b")
+    match = kv.match_prefix(again)
+    assert match.num_tokens == 28
+    assert match.tables == [full[:7], [FREED] * 5 + window[5:7]]
+    # An edit at token 17 (block 4): the full group serves 16 tokens, the window group blocks
+    # [2, 4) covering [8, 16)
+    edited = prompt[:17] + [999] + prompt[18:]
+    assert kv.match_prefix(new_seq(edited, "c")).num_tokens == 16
+    # Without the window group's block 3 ([12, 16)), 16 is out; 12 needs window blocks 1 and 2
+    evict(kv, window[3])
+    assert kv.match_prefix(new_seq(edited, "c")).num_tokens == 12
+    evict(kv, window[1])  # and 8 needs block 0 and 1: only 4 (block 0) is left
+    assert kv.match_prefix(new_seq(edited, "c")).num_tokens == 4
+    kv.check_integrity([])
+
+
+def test_allocation_of_a_hit_takes_the_cached_blocks_and_fails_cleanly():
+    kv = HybridKVCacheManager(12, BLOCK, LAYOUT)
+    first = new_seq(list(range(50, 70)))  # 20 tokens: 5 blocks per group
+    step(kv, first, 20)
+    kv.free(first)
+    again = new_seq(list(range(50, 70)) + [7, 8, 9, 10, 11], "b")  # 25 tokens
+    match = kv.match_prefix(again)
+    assert match.num_tokens == 20
+    before = (list(kv.free_queue), list(kv.ref_cnt))
+    assert kv.allocate(again, 5 + 40, match) is None  # 12 more blocks a group: more than the pool
+    assert (list(kv.free_queue), list(kv.ref_cnt)) == before and again.block_ids == []
+    assert kv.allocate(again, 5, match) is not None
+    assert again.num_computed_tokens == 20
+    # the free queue: never used 10, 11; window blocks 5, 6, 7 (left the window); then the
+    # sequence's, tail first: 4 … 0 and 9, 8. The hit takes 0-4 and 8, 9; two new blocks a group.
+    assert match.tables == [[0, 1, 2, 3, 4], [FREED] * 3 + [8, 9]]
+    assert group_tables(again) == [[0, 1, 2, 3, 4, 10, 11], [FREED] * 3 + [8, 9, 5, 6]]
+    kv.check_integrity([again])
+
+
+# --- the engine on a sliding-window model --------------------------------------------------------
+
+MODEL_WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def gemma_tiny():
+    config = gemma3_shape(6, MODEL_WINDOW)
+    torch.manual_seed(0)
+    model = build_model(config, load_ops("torch"))
+    with torch.no_grad():
+        for p in model.parameters():  # peaky: greedy near-ties are unlikely
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
+    return model, config
+
+
+def engine(gemma_tiny, **settings) -> EngineCore:
+    model, config = gemma_tiny
+    settings = {"model": "gemma3-test", "max_num_batched_tokens": 256, "num_kv_blocks": 2048, **settings}
+    return EngineCore.from_model(EngineConfig(**settings), model, config)
+
+
+def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 8) -> dict[str, tuple[list[int], int]]:
+    """Greedy tokens and cached prompt tokens of each request; integrity and the window bound
+    checked after every step."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        core.add_request(GenerateRequest(rid, prompt, sampling))
+    out: dict[str, list] = {rid: [[], 0] for rid in prompts}
+    bound = math.ceil(MODEL_WINDOW / core.kv.block_size) + 1
+    while core.has_work():
+        for frame in core.step():
+            out[frame.request_id][0] += frame.token_ids
+            out[frame.request_id][1] = frame.num_cached_tokens
+        core.check_integrity()
+        for seq in core.scheduler.running:
+            assert max(core.kv.group_block_counts(seq)[1:]) <= bound
+    return {rid: (tokens, cached) for rid, (tokens, cached) in out.items()}
+
+
+def test_engine_uses_the_hybrid_pool(gemma_tiny):
+    core = engine(gemma_tiny)
+    assert isinstance(core.kv, HybridKVCacheManager) and core.kv.windows == (0,) + (MODEL_WINDOW,) * 5
+    assert len(core.runner.kv_pages) == 1 and len(core.runner.kv_caches) == 6
+
+
+def test_repeated_3k_prompt_hits_its_cache_with_the_same_output(gemma_tiny):
+    core = engine(gemma_tiny)
+    prompt = [random.Random(1).randrange(2, 512) for _ in range(3000)]
+    cold = run(core, {"cold": prompt})["cold"]
+    warm = run(core, {"warm": prompt})["warm"]
+    assert cold[1] == 0 and warm[1] == 2992  # every whole block but the one the last token needs
+    assert warm[0] == cold[0]
+    assert core.check_integrity().used == 0
+    stats = EngineStats.from_wire(core.stats().to_wire())  # /stats of a hybrid pool, as the gateway reads it
+    assert stats.num_cached_blocks >= 2992 // core.kv.block_size
+
+
+def test_mid_prompt_edit_resumes_where_every_group_can(gemma_tiny):
+    core = engine(gemma_tiny)
+    prompt = [random.Random(2).randrange(2, 512) for _ in range(2000)]
+    run(core, {"a": prompt})
+    edited = prompt[:1000] + [3] + prompt[1001:]
+    resumed = run(core, {"b": edited})["b"]
+    assert resumed[1] == 992  # block 62 (tokens 992-1007) holds the edit
+    fresh = run(engine(gemma_tiny), {"b": edited})["b"]
+    assert resumed[0] == fresh[0]
+
+
+def test_soak_integrity_after_every_step_with_preemption(gemma_tiny):
+    """Shared prefixes, edits, n > 1 and a pool small enough to preempt: integrity holds after
+    every step and every run matches its own output alone on an ample pool."""
+    rng = random.Random(3)
+    base = [rng.randrange(2, 512) for _ in range(400)]
+    prompts = {}
+    for i in range(12):
+        cut = rng.randrange(50, 400)
+        prompts[f"s{i}"] = base[:cut] + [rng.randrange(2, 512) for _ in range(rng.randrange(1, 200))]
+    small = engine(gemma_tiny, num_kv_blocks=140, max_num_batched_tokens=128)
+    together = run(small, prompts, max_tokens=20)
+    assert small.scheduler.num_preemptions > 0
+    assert small.check_integrity().used == 0
+    alone = engine(gemma_tiny, enable_prefix_caching=False)
+    for rid in list(prompts)[:4]:
+        assert together[rid][0] == run(alone, {rid: prompts[rid]}, max_tokens=20)[rid][0]
+
+
+def test_padded_decode_graphs_read_every_groups_tables(gemma_tiny):
+    """The decode graphs' static buffers (here run eagerly on the CPU) hold each group's block
+    tables and slots: tokens are the eager engine's, past the window too."""
+    from engine.cuda_graphs import DecodeGraphs, decode_buckets
+
+    rng = random.Random(4)
+    prompts = {f"r{i}": [rng.randrange(2, 512) for _ in range(n)] for i, n in enumerate((5, 60, 130, 300))}
+    eager = run(engine(gemma_tiny), prompts, max_tokens=90)
+    core = engine(gemma_tiny)
+    runner = core.runner
+    runner.decode_graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, runner.device, runner.block_size, runner.max_blocks_per_seq,
+        decode_buckets(core.config.max_num_seqs), capture=False, num_groups=len(runner.layout.group_windows),
+    )
+    assert run(core, prompts, max_tokens=90) == eager
