@@ -111,8 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.offline import run_offline
 
     lines = [line for line in sys.stdin if line.strip()]
-    core = EngineCore.from_config(config)
-    run_offline(core, lines)
+    if config.tensor_parallel_size == 1:
+        run_offline(EngineCore.from_config(config), lines)
+        return 0
+    from engine.parallel import TensorParallelRanks
+
+    ranks = TensorParallelRanks(config)  # a dead rank fails the collective of the step in flight
+    try:
+        run_offline(ranks.build_core(), lines)
+    finally:
+        ranks.close()
     return 0
 
 

@@ -253,6 +253,13 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_ids=(128001, 128009),
     ),
+    # Larger than one H200 in bf16 (141 GB of weights): served with --tensor-parallel-size 2 or more.
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
     "qwen3-0.6b": ModelConfig(
         name="qwen3-0.6b", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -361,6 +368,9 @@ class EngineConfig:
               "sequence); 0 turns them off")
     kernel_backend: str = _flag("auto", "kernel op set: triton kernels or the torch reference ops; auto = triton "
                                 "on CUDA, torch on the CPU", choices=KERNEL_BACKENDS)
+    tensor_parallel_size: int = _flag(
+        1, "shard the model over this many ranks, one process each (on CUDA one GPU each, from --device's "
+           "onward; NCCL, gloo on the CPU); rank 0 schedules and serves, a rank that dies fails the engine")
     seed: int = _flag(0, "seed for dummy weights and unseeded sampling")
     speculative: str | None = _flag(
         None, "speculative decoding: ngram drafts the tokens that followed the latest earlier occurrence of a "
@@ -381,7 +391,7 @@ class EngineConfig:
     replica_id: str = _flag("engine-0", "this engine's id in the prefix index and /stats", serve_only=True)
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -401,6 +411,8 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         if self.num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
         if not 0 < self.ngram_min <= self.ngram_max:

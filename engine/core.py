@@ -48,6 +48,11 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def context_limit(config: EngineConfig, model_config: ModelConfig) -> int:
+    """--max-model-len, capped by the model's context length."""
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
@@ -117,12 +122,10 @@ class EngineCore:
         cls, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
         tokenizer_info: xgrammar.TokenizerInfo | None = None,
     ) -> EngineCore:
-        max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
         runner = ModelRunner(
             model, model_config, torch.device(config.device), resolve_dtype(config), config.block_size,
-            config.max_num_seqs, max_model_len, config.num_speculative_tokens if config.speculative else 0,
+            config.max_num_seqs, context_limit(config, model_config),
+            config.num_speculative_tokens if config.speculative else 0,
         )
         return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 

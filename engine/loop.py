@@ -64,16 +64,35 @@ class EngineLoop:
         self.metrics = metrics
         self.core: EngineCore | None = None
         self.ready = threading.Event()
-        self.failed: BaseException | None = None
+        self.failed: BaseException | None = None  # set once: at start, in a step, or by fail()
+        self._failed_lock = threading.Lock()
+        self._on_failure: Callable[[BaseException], None] | None = None
         self.snapshot: EngineStats | None = None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._deliver: Callable[[list[OutputFrame]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[OutputFrame]], None]) -> None:
-        self._loop, self._deliver = loop, deliver
+    def start(
+        self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[OutputFrame]], None],
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        """Start the engine thread: ``deliver(frames)`` after each step and ``on_failure(exc)`` once
+        if the engine fails, both on ``loop``."""
+        self._loop, self._deliver, self._on_failure = loop, deliver, on_failure
         self._thread.start()
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the engine failed (health goes red) and have every open request ended with an
+        error. Thread-safe; the first failure wins. The engine thread stops stepping after a
+        failing step; a failure reported from elsewhere (a dead tensor-parallel rank) does not
+        wait for it, since it may be blocked in a collective."""
+        with self._failed_lock:
+            if self.failed is not None:
+                return
+            self.failed = exc
+        log.error("engine_failed", error=str(exc))
+        self._loop.call_soon_threadsafe(self._on_failure, exc)
 
     def stop(self) -> None:
         self._inbox.put(Stop())
@@ -98,9 +117,13 @@ class EngineLoop:
             core = self._start()
         except BaseException as exc:
             log.exception("engine_start_failed")
-            self.failed = exc
+            self.fail(exc)
             return
-        self._serve(core)
+        try:
+            self._serve(core)
+        except Exception as exc:  # a step that raised: its sequences' state is unknown, so stop serving
+            log.exception("engine_step_failed")
+            self.fail(exc)
 
     def _start(self) -> EngineCore:
         t0 = time.perf_counter()
@@ -130,7 +153,7 @@ class EngineLoop:
                 except queue.Empty:
                     break
                 block = False
-                if isinstance(command, Stop):
+                if isinstance(command, Stop) or self.failed is not None:
                     return
                 frames.extend(self._handle(core, command))
             if core.has_work():

@@ -39,12 +39,12 @@ log = structlog.get_logger("engine.server")
 class _Stream:
     """The event-loop side of one request: frames arrive here from the engine thread."""
 
-    __slots__ = ("frames", "open_sequences", "arrival", "first_token_at", "prompt_len", "cached", "generated",
+    __slots__ = ("frames", "open_indices", "arrival", "first_token_at", "prompt_len", "cached", "generated",
                  "last_token_at")
 
     def __init__(self, n: int, prompt_len: int):
         self.frames: asyncio.Queue[OutputFrame] = asyncio.Queue()
-        self.open_sequences = n
+        self.open_indices = set(range(n))  # sequences not finished yet
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.prompt_len = prompt_len
@@ -77,7 +77,7 @@ class Sidecar:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.engine.start(asyncio.get_running_loop(), self._deliver)
+        self.engine.start(asyncio.get_running_loop(), self._deliver, self._fail_streams)
         yield
         self.engine.stop()
 
@@ -87,9 +87,18 @@ class Sidecar:
             if stream is not None:
                 stream.frames.put_nowait(frame)
 
+    def _fail_streams(self, exc: BaseException) -> None:
+        """The engine failed: end every open sequence of every stream with an error frame."""
+        for request_id, stream in self.streams.items():
+            for index in sorted(stream.open_indices):
+                stream.frames.put_nowait(
+                    OutputFrame(request_id, index, finish_reason="error", error=f"engine failed: {exc}")
+                )
+
     def _not_ready(self) -> JSONResponse | None:
         if self.engine.failed is not None:
-            return error_response(503, f"engine failed to start: {self.engine.failed}")
+            when = "" if self.engine.ready.is_set() else " to start"
+            return error_response(503, f"engine failed{when}: {self.engine.failed}")
         if not self.engine.ready.is_set():
             return error_response(503, "engine is loading")
         return None
@@ -110,6 +119,8 @@ class Sidecar:
             return error_response(400, exc.message, exc.param)
         if gen.request_id in self.streams:
             return error_response(400, f"request_id {gen.request_id!r} is already running", "request_id")
+        if (resp := self._not_ready()) is not None:  # failed while this request was read: nothing would end it
+            return resp
         stream = _Stream(gen.sampling.n, len(gen.prompt_ids))
         self.streams[gen.request_id] = stream
         self.engine.submit(gen)
@@ -118,7 +129,7 @@ class Sidecar:
     async def _frames(self, gen: GenerateRequest, stream: _Stream) -> AsyncIterator[bytes]:
         reasons: list[str] = []
         try:
-            while stream.open_sequences:
+            while stream.open_indices:
                 frame = await stream.frames.get()
                 chunks = [frame]
                 while not stream.frames.empty():
@@ -128,7 +139,7 @@ class Sidecar:
                 yield b"".join(f.pack() for f in chunks)
         finally:
             self.streams.pop(gen.request_id, None)
-            if stream.open_sequences:  # the client went away first
+            if stream.open_indices:  # the client went away first
                 self.engine.abort(gen.request_id)
                 reasons.append("abort")
             self._log_request(gen, stream, reasons)
@@ -147,7 +158,7 @@ class Sidecar:
         stream.generated += len(frame.token_ids)
         stream.cached = frame.num_cached_tokens
         if frame.finish_reason is not None:
-            stream.open_sequences -= 1
+            stream.open_indices.discard(frame.index)
             reasons.append(frame.finish_reason)
 
     def _log_request(self, gen: GenerateRequest, stream: _Stream, reasons: list[str]) -> None:
@@ -236,12 +247,28 @@ def is_loopback(host: str) -> bool:
 
 def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None,
               token: str | None = None) -> ASGIApp:
+    """The sidecar's app, behind ``token`` when given; without ``make_core`` the core comes from ``config``
+    (with ``tensor_parallel_size`` > 1: rank 0 of a tensor-parallel engine, stopped with the app)."""
     metrics = Metrics(config.served_name)
+    ranks = None
+    if make_core is None and config.tensor_parallel_size > 1:
+        from engine.parallel import TensorParallelRanks
+
+        ranks = TensorParallelRanks(config, on_failure=lambda exc: engine.fail(exc))
+        make_core = ranks.build_core
     engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
     if config.speculative is not None:
         metrics.add_spec_decode(lambda: engine.snapshot)
     sidecar = Sidecar(engine, metrics)
-    app = Starlette(routes=sidecar.routes(), lifespan=sidecar.lifespan)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with sidecar.lifespan(app):
+            yield
+        if ranks is not None:
+            ranks.close()
+
+    app = Starlette(routes=sidecar.routes(), lifespan=lifespan)
     return TokenAuth(app, token) if token is not None else app
 
 

@@ -163,6 +163,7 @@ class SimEngine:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.busy_s = 0.0
+        self.computed_tokens = 0  # prefill and decode tokens of every step, as /stats counts them
         self.stepping = False
         self.stored: list[tuple[list[BlockHash], BlockHash | None]] = []
         self.removed: list[BlockHash] = []
@@ -176,7 +177,10 @@ class SimEngine:
             kv_usage=1 - (self.free + len(self.lru)) / m.num_kv_blocks, num_cached_blocks=len(self.refs),
             prefix_hit_rate=0.0, num_position_entries=0, num_preemptions=0,
             max_num_batched_tokens=m.max_num_batched_tokens, prefill_pack_tokens=m.max_num_batched_tokens,
-            max_num_seqs=m.max_num_seqs, total_busy_seconds=self.busy_s)
+            max_num_seqs=m.max_num_seqs, total_busy_seconds=self.busy_s,
+            num_waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting)
+            + sum(r.prefill_left for r in self.running),
+            total_computed_tokens=self.computed_tokens)
 
     def _allocate(self, blocks: int) -> bool:
         while self.free < blocks and self.lru:
@@ -272,6 +276,7 @@ class SimEngine:
             self.free += req.private
         seconds = self.model.step_s(prefill, decode)
         self.busy_s += seconds
+        self.computed_tokens += prefill + decode
         return seconds, first, done
 
     def events(self) -> KVEventBatch | None:

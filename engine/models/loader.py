@@ -394,19 +394,29 @@ def _hf_tokenizer_info(path: Path, config: ModelConfig) -> xgrammar.TokenizerInf
 def _load_dummy(
     spec: str, device: torch.device, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[CausalLM, ModelConfig]:
-    try:
-        config = dummy_config(spec)
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"bad dummy model config {spec!r}: {exc}") from exc
+    config = load_dummy_config(spec)
     net = build_model(config, ops, device, dtype)
-    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
-    with torch.no_grad():
-        for name, param in net.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)  # norm weights
-            else:
-                param.normal_(0.0, DUMMY_STD, generator=generator)
+    fill_dummy(net, DUMMY_SEED)
     log.info("dummy_weights", config=config.name, seed=DUMMY_SEED, std=DUMMY_STD)
     return net, config
+
+
+def load_dummy_config(spec: str) -> ModelConfig:
+    """The shape ``--model`` names for ``--load-format dummy``; raises ModelLoadError."""
+    try:
+        return dummy_config(spec)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"bad dummy model config {spec!r}: {exc}") from exc
+
+
+@torch.no_grad()
+def fill_dummy(net: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights on the parameters' device: N(0, DUMMY_STD) matrices, norm weights 1, biases 0."""
+    generator = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
+    for name, param in net.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)  # norm weights
+        else:
+            param.normal_(0.0, DUMMY_STD, generator=generator)

@@ -16,7 +16,7 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 def exported_names() -> set[str]:
     """The series names the gateway's and the engine's registries expose."""
     names = set()
-    for registry in (GatewayMetrics().registry, EngineMetrics().registry):
+    for registry in (GatewayMetrics().registry, EngineMetrics("kvgate-test").registry):
         for family in registry.collect():
             names.update(family.name + suffix for suffix in SUFFIXES[family.type])
     return names
