@@ -301,6 +301,7 @@ def dummy_config(spec: str) -> ModelConfig:
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+SPECULATIVE_METHODS = ("ngram",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # torch dtype names, besides auto
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the weights' dtype
 QUANTIZATIONS = ("none", "fp8")
@@ -380,6 +381,14 @@ class EngineConfig:
         1, "shard the model over this many ranks, one process each (on CUDA one GPU each, from --device's "
            "onward; NCCL, gloo on the CPU); rank 0 schedules and serves, a rank that dies fails the engine")
     seed: int = _flag(0, "seed for dummy weights and unseeded sampling")
+    speculative: str | None = _flag(
+        None, "speculative decoding: ngram drafts the tokens that followed the latest earlier occurrence of a "
+              "sequence's last tokens in its prompt and output, verified in one forward (default: none)",
+        choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _flag(5, "with --speculative: most draft tokens per sequence and step (the "
+                                        "draft length adapts below it to the acceptance)", metavar="K")
+    ngram_max: int = _flag(4, "with --speculative ngram: longest suffix looked up")
+    ngram_min: int = _flag(2, "with --speculative ngram: shortest suffix looked up")
     served_model_name: str | None = _flag(
         None, "model id in /stats, which gateways list in /v1/models, and in KV events (default: "
               f"{DEFAULT_MODEL_NAME} for the default GGUF, else a dummy shape's name, a file's stem or a "
@@ -409,6 +418,15 @@ class EngineConfig:
             )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
+        if self.num_speculative_tokens <= 0:
+            raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
+        if not 0 < self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 0 < ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
+                             f"ngram_max={self.ngram_max}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.dtype not in DTYPES:

@@ -32,6 +32,7 @@ from engine.protocol import (
 )
 from engine.request import Sequence, Status
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from engine.spec_decode import NgramProposer
 from engine.structured import NO_VOCABULARY, Grammars, new_matcher
 from kernels import load_ops
 from prefix_index.events import KVEvent
@@ -86,6 +87,9 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         runner.allocate_kv_cache(num_blocks)
         layout = kv_layout(model_config)
+        if config.speculative is not None and layout.hybrid:
+            # Rolling back rejected drafts is implemented for the single-group pool only.
+            raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
         record_events = config.index_url is not None
         # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
         self.kv: KVCacheManager | HybridKVCacheManager = (
@@ -94,9 +98,12 @@ class EngineCore:
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
                            max_entries=int(num_blocks * config.max_entries_fraction))
         )
+        self.proposer = None if config.speculative is None else NgramProposer(
+            config.num_speculative_tokens, config.ngram_min, config.ngram_max
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
-            eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len,
+            eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len, proposer=self.proposer,
         )
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
@@ -135,6 +142,7 @@ class EngineCore:
         runner = ModelRunner(
             model, model_config, device, dtype, config.block_size, config.max_num_seqs,
             context_limit(config, model_config), kv_dtype,
+            config.num_speculative_tokens if config.speculative else 0,
         )
         return cls(config, runner, None if tokenizer_info is None else Grammars(tokenizer_info))
 
@@ -322,6 +330,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.proposer.stats if self.proposer is not None else None
         return EngineStats(
             model=self.config.served_name,
             replica_id=self.config.replica_id,
@@ -346,4 +355,8 @@ class EngineCore:
             total_computed_tokens=self.counters.computed_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_tokens_per_gib=self.kv_tokens_per_gib,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_num_accepted_tokens_per_pos=list(spec.accepted_per_pos) if spec else [],
         )

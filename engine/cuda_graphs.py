@@ -11,6 +11,11 @@ The graphs share one memory pool, captured largest first, and one logits buffer,
 is about the largest bucket's activations and logits. The LM head and a greedy argmax run inside the graph: a step
 whose rows need nothing but the argmax (``Sampler.plain_greedy``) launches nothing more; any other
 step samples from the graph's logits outside it (per-request generators, penalties, logprobs).
+
+With ``query_len`` q > 1 the same machinery captures speculative verification steps: every row is
+q query tokens (a decoding sequence's last token and its draft, padded to q: padding tokens store
+nothing), the attention is the varlen paged kernel, and the logits of all q rows come back.
+Padding rows are q tokens at positions 0 … q-1 that store nothing; their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class DecodeGraphs:
         buckets: list[int],
         capture: bool,
         num_groups: int = 1,
+        query_len: int = 1,
     ):
         """``num_groups``: the KV layer groups (engine.kv_groups), each with its own block tables
         and slots."""
@@ -68,10 +74,12 @@ class DecodeGraphs:
         self.max_batch_size = buckets[-1]
         self.capture_graphs = capture
         self.capacity = max_blocks_per_seq * block_size
+        self.query_len = q = query_len
         # Each bucket is captured per context bound: steps whose contexts all fit the short one
         # take the fused decode attention, the others the split-K ops (see AttentionMetadata).
-        self.context_bounds = sorted({min(FUSED_DECODE_MAX_CONTEXT, self.capacity), self.capacity})
-        width = -(-self.max_batch_size // _ROW_ALIGN) * _ROW_ALIGN
+        self.context_bounds = sorted({min(FUSED_DECODE_MAX_CONTEXT, self.capacity) if q == 1 else self.capacity,
+                                      self.capacity})
+        width = -(-self.max_batch_size * q // _ROW_ALIGN) * _ROW_ALIGN
         pin = device.type == "cuda"
         # Host staging: filled with numpy, copied to the device in three transfers per step. The id
         # rows: input ids, positions, then each group's slots.
@@ -95,9 +103,10 @@ class DecodeGraphs:
         self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
         self._tables = torch.zeros((num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32,
                                    device=device)
-        self._query_start_loc = torch.arange(self.max_batch_size + 1, dtype=torch.int32, device=device)
-        # Every graph writes its logits here: one [max batch, vocab] buffer, not one per graph.
-        self._logits = torch.empty((self.max_batch_size, model.config.vocab_size), dtype=torch.float32, device=device)
+        self._query_start_loc = torch.arange(0, (self.max_batch_size + 1) * q, q, dtype=torch.int32, device=device)
+        # Every graph writes its logits here: one [max batch * q, vocab] buffer, not one per graph.
+        self._logits = torch.empty((self.max_batch_size * q, model.config.vocab_size), dtype=torch.float32,
+                                   device=device)
         # The staging buffers are rewritten only once the previous step's copies are done.
         self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -120,15 +129,17 @@ class DecodeGraphs:
         self._ids[2:].fill_(-1)
 
     def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
+        q = self.query_len
+        num_tokens = batch_size * q
         groups = tuple(
             AttentionMetadata(
                 block_tables=self._tables[group, :batch_size],
                 seq_lens=self._seq_lens[:batch_size],
                 query_start_loc=self._query_start_loc[: batch_size + 1],
-                slot_mapping=self._ids[2 + group, :batch_size],
+                slot_mapping=self._ids[2 + group, :num_tokens],
                 seq_lens_cpu=seq_lens_cpu,
-                query_start_loc_cpu=list(range(batch_size + 1)),
-                max_query_len=1,
+                query_start_loc_cpu=list(range(0, num_tokens + 1, q)),
+                max_query_len=q,
                 max_seq_len=context_bound,
             )
             for group in range(self.num_groups)
@@ -136,8 +147,8 @@ class DecodeGraphs:
         attn = groups[0]
         if self.num_groups > 1:
             attn.groups = groups
-        hidden = self.model(self._ids[0, :batch_size], self._ids[1, :batch_size], attn, self.kv_caches)
-        logits = self.model.compute_logits(hidden, out=self._logits[:batch_size])
+        hidden = self.model(self._ids[0, :num_tokens], self._ids[1, :num_tokens], attn, self.kv_caches)
+        logits = self.model.compute_logits(hidden, out=self._logits[:num_tokens])
         return DecodeOutput(logits, self.model.ops.argmax(logits))
 
     def capture(self) -> int:
@@ -148,7 +159,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.buckets):
-            padding = [0] * batch_size
+            padding = [0 if self.query_len == 1 else self.query_len] * batch_size
             for bound in self.context_bounds:
                 self._forward(batch_size, bound, padding)  # compiles and autotunes outside the capture
                 graph = torch.cuda.CUDAGraph()
@@ -159,22 +170,42 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         return free_before - torch.cuda.mem_get_info(self.device)[0]
 
+    def fits(self, seqs: Seq[Sequence]) -> bool:
+        """Whether ``run`` takes these decoding sequences: few enough, each draft short enough,
+        and (q > 1) the padded queries inside the block table's capacity."""
+        q = self.query_len
+        return len(seqs) <= self.max_batch_size and all(
+            len(s.draft_ids) < q and (q == 1 or s.num_computed_tokens + q <= self.capacity) for s in seqs
+        )
+
     def run(self, seqs: Seq[Sequence]) -> DecodeOutput:
         """Logits and argmax of the next token of each sequence (each has exactly one token to
-        compute, and its blocks allocated). Writes their K/V into the cache. The outputs are
-        views of static buffers: valid until the next ``run``."""
+        compute, its draft if q > 1, and its blocks allocated); row ``i * q + j`` is sequence ``i``'s
+        ``j``-th query token. Writes their K/V into the cache. The outputs are views of static
+        buffers: valid until the next ``run``."""
         n = len(seqs)
+        q = self.query_len
         if self._copied is not None:
             self._copied.synchronize()
         ids, seq_lens, tables = self._np_ids, self._np_seq_lens, self._np_tables
         bs = self.block_size
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
-            ids[0, i] = seq.all_token_ids[pos]
-            ids[1, i] = pos
-            seq_lens[i] = pos + 1
+            seq_lens[i] = pos + q
+            if q == 1:
+                ids[0, i] = seq.all_token_ids[pos]
+                ids[1, i] = pos
+            else:
+                tokens = [seq.all_token_ids[pos], *seq.draft_ids]
+                row = slice(i * q, (i + 1) * q)
+                ids[0, row] = tokens + [0] * (q - len(tokens))
+                ids[1, row] = range(pos, pos + q)
             for group, blocks in enumerate(group_tables(seq)):
-                ids[2 + group, i] = blocks[pos // bs] * bs + pos % bs
+                if q == 1:
+                    ids[2 + group, i] = blocks[pos // bs] * bs + pos % bs
+                else:
+                    ids[2 + group, row] = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + len(tokens))] + \
+                        [-1] * (q - len(tokens))
                 held, written = self._table_rows[group][i]
                 if held is not blocks:
                     written = 0
@@ -183,9 +214,10 @@ class DecodeGraphs:
                     self._table_rows[group][i] = (blocks, len(blocks))
         key = self.graph_key(n, int(seq_lens[:n].max()))
         batch_size = key[0]
-        ids[:2, n:batch_size] = 0
-        ids[2:, n:batch_size] = -1
-        seq_lens[n:batch_size] = 0
+        ids[0, n * q : batch_size * q] = 0
+        ids[1, n * q : batch_size * q] = list(range(q)) * (batch_size - n)
+        ids[2:, n * q : batch_size * q] = -1
+        seq_lens[n:batch_size] = 0 if q == 1 else q
         self._ids.copy_(self._host_ids, non_blocking=True)
         self._seq_lens[:batch_size].copy_(self._host_seq_lens[:batch_size], non_blocking=True)
         self._tables[:, :n].copy_(self._host_tables[:, :n], non_blocking=True)
@@ -196,4 +228,4 @@ class DecodeGraphs:
             out = self._outputs[key]
         else:
             out = self._forward(*key, seq_lens[:batch_size].tolist())
-        return DecodeOutput(out.logits[:n], out.greedy[:n])
+        return DecodeOutput(out.logits[: n * q], out.greedy[: n * q])

@@ -325,6 +325,18 @@ class KVCacheManager:
         self._registered.pop(seq.key, None)
         self._boundaries_seen.pop(seq.key, None)
 
+    def rollback(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks past those its tokens need (they held only rejected draft
+        tokens: private, never hashed) to the head of the free queue, the next ones allocated."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_ids) <= keep:
+            return
+        for block_id in seq.block_ids[keep:]:
+            self.ref_cnt[block_id] -= 1
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        seq.block_ids = seq.block_ids[:keep]  # a new list: DecodeGraphs rewrites a table row only where its list grew
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) page copies planned since the last call, in order; empties the plan.
 

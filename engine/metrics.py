@@ -7,12 +7,15 @@ read kvgate engines unchanged. Requests in vLLM's gauges are sequences here (a r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from engine.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
@@ -64,6 +67,11 @@ class Metrics:
             "vllm:e2e_request_latency_seconds": self.e2e_latency,
             "vllm:request_queue_time_seconds": self.queue_time,
         }, model_name))
+        self.model_name = model_name
+
+    def add_spec_decode(self, snapshot: Callable[[], EngineStats | None]) -> None:
+        """Export the speculative decoding counters of the engine's latest stats, under vLLM's names."""
+        self.registry.register(_SpecDecodeCollector(snapshot, self.model_name))
 
 
 class VLLMNames(Collector):
@@ -81,3 +89,28 @@ class VLLMNames(Collector):
                     alias.add_sample(name + s.name[len(family.name):], {**s.labels, "model_name": self.model_name},
                                      s.value, s.timestamp, s.exemplar)
                 yield alias
+
+
+class _SpecDecodeCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineStats | None], model_name: str):
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        if snap is None:
+            return
+        for name, documentation, value in (
+            ("vllm:spec_decode_num_drafts", "Sequence-steps that verified a draft", snap.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", snap.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", snap.spec_num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(snap.spec_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos

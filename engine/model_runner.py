@@ -17,6 +17,7 @@ from engine.protocol import SamplingParams
 from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, ScheduledSeq
+from engine.spec_decode import verify
 
 
 class MemoryProfile(NamedTuple):
@@ -53,6 +54,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         kv_dtype: torch.dtype | None = None,
+        num_speculative_tokens: int = 0,
     ):
         self.model = model
         self.config = config
@@ -68,7 +70,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (groups share tensors)
         self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's group_size tensors
         self.sampler = Sampler(config.eos_token_ids)
+        self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row
 
     def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -122,7 +126,7 @@ class ModelRunner:
         attn = self._metadata(tables, lens, starts, slots, max(lens))
         input_ids = torch.randint(self.config.vocab_size, (num_tokens,), device=dev)
         hidden = self.model(input_ids, torch.tensor(positions, device=dev), attn, kv_caches)
-        rows = min(self.max_num_seqs, num_tokens)
+        rows = min(self.max_num_seqs * (1 + self.num_speculative_tokens), num_tokens)  # verification: 1 + K each
         sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5, frequency_penalty=0.1)
         seqs = [SimpleNamespace(sampling=sampling, prompt_ids=[0], output_ids=[1], generator=None, matcher=None)] * rows
         self.sampler(self.model.compute_logits(hidden[-rows:]), seqs)
@@ -139,19 +143,34 @@ class ModelRunner:
     # --- CUDA graphs -----------------------------------------------------------------------------
     def capture_decode_graphs(self) -> int:
         """Capture the decode-only step at every batch bucket up to ``max_num_seqs`` (KV cache
-        allocated first); returns the bytes the graphs and their static buffers hold."""
+        allocated first), and with speculation the verification step of ``1 + K`` queries per row;
+        returns the bytes the graphs and their static buffers hold."""
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, self.device, self.block_size, self.max_blocks_per_seq,
             decode_buckets(self.max_num_seqs), capture=True, num_groups=len(self.layout.group_windows),
         )
         with torch.inference_mode():
-            return self.decode_graphs.capture()
+            graph_bytes = self.decode_graphs.capture()
+            if self.num_speculative_tokens:
+                self.verify_graphs = DecodeGraphs(
+                    self.model, self.kv_caches, self.device, self.block_size, self.max_blocks_per_seq,
+                    decode_buckets(self.max_num_seqs), capture=True, query_len=1 + self.num_speculative_tokens,
+                )
+                graph_bytes += self.verify_graphs.capture()
+        return graph_bytes
 
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
-        """Run one step; sample for every sequence whose known tokens are now all computed. The
-        prefill chunks of sequences that need prompt logprobs get them here (eagerly, never in a graph)."""
+        """Run one step; sample for every sequence whose known tokens are now all computed (and
+        verify the drafts of those that have one). The prefill chunks of sequences that need
+        prompt logprobs get them here (eagerly, never in a graph)."""
+        if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
+            seqs = [seq for seq, _ in scheduled]
+            q = self.verify_graphs.query_len
+            logits = self.verify_graphs.run(seqs).logits
+            rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
+            return self._verified(logits[torch.tensor(rows, device=self.device)], seqs)
         graphs = self.decode_graphs
         prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
         if (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
@@ -175,11 +194,25 @@ class ModelRunner:
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
+            if any(seq.draft_ids for seq in sampling_seqs):
+                return self._verified(logits, sampling_seqs)
         out = self.sampler(logits, sampling_seqs)
         return [
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
         ]
+
+    def _verifies_in_graph(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the verification graphs run this step: every sequence decodes (its last token,
+        and its draft if any) and fits them."""
+        graphs = self.verify_graphs
+        return graphs is not None and all(
+            n == 1 + len(seq.draft_ids) and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled
+        ) and graphs.fits([seq for seq, _ in scheduled])
+
+    def _verified(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        return [SampledToken(seq, t.token_id, t.logprob)
+                for seq, tokens in zip(seqs, verify(self.sampler, logits, seqs)) for t in tokens]
 
     def _metadata(
         self, block_tables: np.ndarray, seq_lens: list[int], query_start: list[int], slots: list[int],
@@ -219,8 +252,8 @@ class ModelRunner:
 
     def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
-        the rows to sample (the last token of each sequence that is now fully computed) and
-        their sequences."""
+        the rows to sample (the last token of each sequence that is now fully computed, and each
+        of its draft tokens) and their sequences."""
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
@@ -230,12 +263,14 @@ class ModelRunner:
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
-            input_ids.extend(seq.all_token_ids[start:end])
+            drafts = seq.draft_ids  # scheduled whole after the sequence's last token
+            input_ids.extend(seq.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + num_new)
-            if end == seq.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+            if end == seq.num_tokens + len(drafts):
+                sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
                 sampling_seqs.append(seq)
 
         dev = self.device

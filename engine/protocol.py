@@ -269,6 +269,11 @@ class EngineStats:
     total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
     kv_cache_dtype: str  # --kv-cache-dtype as resolved: the KV pool's torch dtype name
     kv_tokens_per_gib: int  # tokens of context one GiB of the KV pool holds (all layers)
+    # Speculative decoding counters since start (all 0 and [] without --speculative):
+    spec_num_drafts: int  # sequence-steps that verified a draft
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_num_accepted_tokens_per_pos: list[int]  # [j]: drafts whose token j was accepted
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}
@@ -329,8 +334,16 @@ def _check_token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
     return value
 
 
-_STATS_FIELDS = {f.name: {"str": _check_str, "int": _check_int, "float": _check_float}[f.type]
-                 for f in dataclasses.fields(EngineStats)}
+def _check_counts(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{name} must be a list of integers, got {type(value).__name__}", name)
+    return [_check_int(v, name, lo=0) for v in value]
+
+
+_STATS_FIELDS = {
+    f.name: {"str": _check_str, "int": _check_int, "float": _check_float, "list[int]": _check_counts}[f.type]
+    for f in dataclasses.fields(EngineStats)
+}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 

@@ -13,6 +13,8 @@ from prefix_index.hashing import BlockHash, block_hashes
 if TYPE_CHECKING:
     import xgrammar
 
+    from engine.spec_decode import NgramIndex
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -30,6 +32,10 @@ class Sequence:
     A constrained sequence (``sampling.structured``) has a grammar ``matcher`` that has accepted
     exactly ``output_ids``; the scheduler drops it when the sequence finishes.
 
+    With speculative decoding, ``draft_ids`` are the proposed tokens a step verifies after
+    ``all_token_ids`` (scheduled as extra new tokens; empty between steps) and ``ngram`` is the
+    proposer's index of this sequence's tokens. Only committed tokens ever enter ``all_token_ids``.
+
     Sequence 0 of a request with ``sampling.prompt_logprobs`` collects them in ``prompt_logprobs``
     (the model runner appends each prefill chunk's) and is served no cached prefix until it has them
     all (:attr:`needs_prompt_logprobs`): cached KV holds no logits.
@@ -39,7 +45,7 @@ class Sequence:
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "group_block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs",
-        "num_sent_tokens", "matcher", "prompt_logprobs",
+        "num_sent_tokens", "matcher", "prompt_logprobs", "draft_ids", "ngram",
     )
 
     def __init__(
@@ -76,6 +82,8 @@ class Sequence:
         self.num_sent_tokens = 0  # output tokens already streamed out
         self.matcher = matcher
         self.prompt_logprobs: list[PromptLogprob] = []  # of prompt tokens 1, 2, ... (the first has none)
+        self.draft_ids: list[int] = []
+        self.ngram: NgramIndex | None = None
 
     @property
     def key(self) -> tuple[str, int]:

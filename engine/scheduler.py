@@ -9,6 +9,12 @@ packing two long prompts only delays the first one's first token. When the pool 
 latest running sequence is preempted by recompute; the oldest always progresses, so there is no
 deadlock.
 
+With a proposer (speculative decoding), a decoding sequence also gets a draft
+(``seq.draft_ids``, see :mod:`engine.spec_decode`) when the budget and the pool have room for it:
+its step computes ``1 + len(draft)`` tokens, never more than its ``max_tokens`` and the context
+length allow. Only committed tokens advance ``num_computed_tokens`` and reach the KV manager's
+block hashes and entries; the blocks past them (rejected drafts) go back to the pool.
+
 The scheduler also records what each step did (:meth:`Scheduler.update`: computed tokens, cached
 blocks, sampled tokens, grammar matchers advanced, finishes). It is the one writer of queue state:
 a request's sequences enter through :meth:`Scheduler.add_request` and leave through
@@ -27,6 +33,7 @@ import structlog
 from engine.kv_cache import KVCacheManager
 from engine.protocol import TokenLogprob
 from engine.request import Sequence, Status
+from engine.spec_decode import NgramProposer
 
 log = structlog.get_logger("engine.scheduler")
 
@@ -48,17 +55,19 @@ class SampledToken(NamedTuple):
 
 class Scheduler:
     """Not thread-safe: the engine loop alone calls it. ``eos_token_ids`` and ``max_model_len``
-    are the finish rules :meth:`update` applies besides each request's own."""
+    are the finish rules :meth:`update` applies besides each request's own; ``proposer`` (None:
+    no speculation) drafts tokens for decoding sequences."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_pack_tokens: int | None = None, *, eos_token_ids: Iterable[int] = (),
-                 max_model_len: int = sys.maxsize):
+                 max_model_len: int = sys.maxsize, proposer: NgramProposer | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens  # None: no limit but the budget
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, list[Sequence]] = {}  # n > 1: siblings admitted once sequence 0 has prefilled
@@ -90,14 +99,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, num_new):
+            drafts = self._propose(seq, budget) if num_new == 1 else []
+            if drafts and self.kv.allocate(seq, 1 + len(drafts)) is not None:
+                seq.draft_ids = drafts
+                num_new += len(drafts)
+            elif not self._reserve(seq, num_new):  # no room for a draft never preempts anyone
                 break
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
 
         preempted = self.num_preemptions > num_preemptions
-        prompt_tokens = sum(n for _, n in scheduled if n > 1)  # decodes schedule one token each
+        prompt_tokens = sum(n for s, n in scheduled if n - len(s.draft_ids) > 1)  # decodes: one token and a draft
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and prompt_tokens < self.prefill_pack_tokens):
             seq = self.waiting[0]
@@ -119,15 +132,27 @@ class Scheduler:
         """Record a step's result: advance each scheduled sequence's computed tokens and cache its
         full blocks, release held siblings, append the sampled tokens (each accepted first by the
         sequence's grammar matcher, if any) and finish the sequences that met a finish rule (their
-        blocks are freed). Returns the sequences that got a token, in ``sampled`` order; the
+        blocks are freed). A sequence that verified a draft has its committed tokens in
+        ``sampled``, in order (the accepted drafts, then one more); a finish among them drops the
+        rest. Returns the sequences that got a token, once each, in ``sampled`` order; the
         finished ones have ``finish_reason`` set."""
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(seq.draft_ids)
             self.kv.cache_computed_blocks(seq)
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 for sibling in self.held.pop(seq.request_id, ()):
                     self.add(sibling)
+        num_committed: dict[tuple[str, int], int] = {}
+        outputs: list[Sequence] = []
         for seq, token_id, logprob in sampled:
+            if seq.key not in num_committed:
+                outputs.append(seq)
+            num_committed[seq.key] = num_committed.get(seq.key, 0) + 1
+            if seq.status is Status.FINISHED:
+                continue  # finished earlier in its accepted run
+            if seq.num_computed_tokens < seq.num_tokens:  # the last token is an accepted draft: its KV is this step's
+                seq.num_computed_tokens += 1
+                self.kv.cache_computed_blocks(seq)
             if seq.matcher is not None and not seq.matcher.accept_token(token_id):
                 # The mask admitted only what the matcher accepts: a bug, not a request to serve on.
                 seq.error = f"sampled token {token_id} is outside the grammar"
@@ -140,7 +165,13 @@ class Scheduler:
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
-        return [s.seq for s in sampled]
+        for seq, _ in scheduled:
+            if seq.draft_ids:
+                self.proposer.record(seq, len(seq.draft_ids), num_committed[seq.key] - 1)
+                seq.draft_ids = []
+                if seq.status is Status.RUNNING:
+                    self.kv.rollback(seq)
+        return outputs
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take ``seq`` out of the queues (or the held siblings) and free its blocks (idempotent)."""
@@ -169,6 +200,14 @@ class Scheduler:
         if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """A draft for decoding ``seq`` that fits the step's ``budget``, its ``max_tokens`` and the
+        context length (its last token is the bonus one), or none."""
+        if self.proposer is None:
+            return []
+        room = min(budget, seq.sampling.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+        return self.proposer.propose(seq, room) if room > 0 else []
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate running ``seq``'s next tokens, preempting the latest running sequences until

@@ -257,6 +257,8 @@ def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None =
         ranks = TensorParallelRanks(config, on_failure=lambda exc: engine.fail(exc))
         make_core = ranks.build_core
     engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
+    if config.speculative is not None:
+        metrics.add_spec_decode(lambda: engine.snapshot)
     sidecar = Sidecar(engine, metrics)
 
     @contextlib.asynccontextmanager

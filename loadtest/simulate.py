@@ -181,7 +181,9 @@ class SimEngine:
             num_waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting)
             + sum(r.prefill_left for r in self.running),
             total_computed_tokens=self.computed_tokens,
-            kv_cache_dtype="bfloat16", kv_tokens_per_gib=8192)  # a Llama-3-8B-shaped bf16 pool
+            kv_cache_dtype="bfloat16", kv_tokens_per_gib=8192,  # a Llama-3-8B-shaped bf16 pool
+            spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
+            spec_num_accepted_tokens_per_pos=[])
 
     def _allocate(self, blocks: int) -> bool:
         while self.free < blocks and self.lru:

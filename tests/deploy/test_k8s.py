@@ -21,6 +21,7 @@ from kustomize import MERGE_KEYS, render
 
 from engine.__main__ import build_parser as engine_parser
 from gateway.config import load_config
+from gateway.ratelimit import read_key_file
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -191,7 +192,8 @@ def test_the_commands_parse_and_point_at_the_services(rendered, tmp_path):
     argv = [a.replace("/etc/kvgate/api-keys/api-keys", str(keys)) for a in gateway["command"]]
     literal = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
     config = load_config(argv[4:], environ={k: _expanded([v], env)[0] for k, v in literal.items()})
-    assert config.api_keys == ("sk-test",) and config.index_url == "redis://:pw@kvgate-redis:6379/0"
+    assert config.api_key_file == str(keys) and config.index_url == "redis://:pw@kvgate-redis:6379/0"
+    assert list(read_key_file(config.api_key_file, config.key_limits)) == ["sk-test"]
     service = one(resources, "Service", "kvgate-engine")["spec"]
     assert config.engine_dns == ("kvgate-engine", service["ports"][0]["port"])
     redis = one(resources, "Service", "kvgate-redis")

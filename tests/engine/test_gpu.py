@@ -62,10 +62,10 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def agreement_with_hf(core: EngineCore) -> float:
+def agreement_with_hf(core: EngineCore, ps: list[list[int]] | None = None) -> float:
     """Teacher-forced greedy agreement: at each of our tokens, HF's greedy choice given the same
-    history (so one near-tie does not derail the rest of a sequence)."""
-    ps = prompts()
+    history (so one near-tie does not derail the rest of a sequence); ``ps`` default: ``prompts()``."""
+    ps = ps or prompts()
     outs = generate(core, ps, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     twin = hf_twin(core.runner.model)
     agree = total = 0
@@ -142,3 +142,25 @@ def test_sliding_window_model_matches_the_reference_ops_with_cuda_graphs():
     assert core.runner.decode_graphs is not None
     ours = generate(core, ps, sampling)
     assert sum(a == b for a, b in zip(ours, expected)) >= len(ps) - 1, (ours, expected)
+
+
+def test_speculative_greedy_tokens_agree_with_hf_with_verification_graphs(monkeypatch):
+    """Drafts from periodic prompts, verified by the captured 1 + K-query graphs (bf16: compared
+    with HF teacher-forced, as the plain engine is)."""
+    torch.cuda.empty_cache()
+    core = make_core(gpu_memory_utilization=UTILIZATION, speculative="ngram", num_speculative_tokens=4, ngram_min=1)
+    graphs = core.runner.verify_graphs
+    assert graphs is not None and graphs.query_len == 5
+    replays = []
+    run_graphs = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda seqs: replays.append(len(seqs)) or run_graphs(seqs))
+    assert agreement_with_hf(core, periodic_prompts(0)) >= 0.95
+    assert len(replays) > 10 and core.stats().spec_num_draft_tokens > 0
+    del core
+    torch.cuda.empty_cache()
+
+
+def periodic_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, 40000) for _ in range(rng.randint(2, 12))] * rng.randint(3, 20)
+            for _ in range(NUM_PROMPTS)]
