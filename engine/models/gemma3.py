@@ -15,19 +15,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, rope_tables
+from engine.models.layers import CausalLM, Embedding, GatedMLP, QKNormAttention, RMSNorm, rope_tables
 from kernels import KernelOps
-
-
-class Gemma3Attention(Attention):
-    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, factory: dict) -> None:
-        super().__init__(config, layer, ops, factory)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
-
-    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().split_heads(qkv)
-        return self.q_norm.heads(q), self.k_norm.heads(k), v
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +30,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, ops, factory)
-        self.self_attn = Gemma3Attention(config, layer, ops, factory)
+        self.self_attn = QKNormAttention(config, layer, ops, factory)
         self.post_attention_layernorm = RMSNorm(size, eps, ops, factory)
         self.pre_feedforward_layernorm = RMSNorm(size, eps, ops, factory)
         self.mlp = GatedMLP(config, ops, factory)

@@ -134,6 +134,19 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
+class QKNormAttention(Attention):
+    """Attention that normalizes each head of q and k (RMSNorm over head_dim) before RoPE (Qwen3, Gemma 3)."""
+
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, factory: dict) -> None:
+        super().__init__(config, layer, ops, factory)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().split_heads(qkv)
+        return self.q_norm.heads(q), self.k_norm.heads(k), v
+
+
 class GatedMLP(nn.Module):
     """The gated MLP's weights: gate/up is applied by the post-attention norm (RMSNorm.linear)."""
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import QKV_PARTS, Attention, RMSNorm
+from engine.models.layers import QKV_PARTS, Attention, QKNormAttention
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kernels import KernelOps
 
@@ -21,23 +21,12 @@ class Qwen2Attention(Attention):
         return super().split_heads(qkv + self.qkv_bias)
 
 
-class Qwen3Attention(Attention):
-    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, factory: dict) -> None:
-        super().__init__(config, layer, ops, factory)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
-
-    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().split_heads(qkv)
-        return self.q_norm.heads(q), self.k_norm.heads(k), v
-
-
 class Qwen2DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen2Attention
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen3Attention
+    attention_cls = QKNormAttention
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
