@@ -1,5 +1,5 @@
-"""Greedy agreement of an engine variant (FP8 KV cache, FP8 weights) with its unquantized peer,
-the same weights in both.
+"""Greedy agreement of an engine variant (FP8 KV cache, FP8 weights; on the CPU also bf16 weights
+and KV, and int8 weights) with its fp32, unquantized peer, the same weights in both.
 
 Both engines generate greedily from the same prompts, with logprobs. Per prompt, the tokens agree
 up to the first divergence; ``agreement`` is the agreed tokens over all generated tokens (a
@@ -8,7 +8,7 @@ peer's token over the agreed positions (same context on both sides).
 
 On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant:
 
-    python benchmarks/accuracy.py [--max-tokens 32]
+    python benchmarks/accuracy.py [--max-tokens 32] [--variants bf16,int8_weights]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.core import EngineCore
+from engine.core import EngineCore, resolve_dtype
 from engine.protocol import GenerateRequest, SamplingParams
 
 # 20 chat prompts (texts and ids: SmolLM2's chat template, tokenized by the GGUF's own tokenizer)
@@ -97,14 +97,16 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--variants", type=lambda v: v.split(","), default=None, help="only these (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     prompts = smollm2_prompts()
     path = str(default_model_path())
 
     def core(**settings) -> EngineCore:
-        model, config = load_model(path, "gguf", "cpu", torch.float32, load_ops("torch"))
-        return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
+        config = EngineConfig(model="smollm2", **settings)
+        model, model_config = load_model(path, "gguf", "cpu", resolve_dtype(config), load_ops("torch"))
+        return EngineCore.from_model(config, model, model_config)
 
     reference = generate(core(), prompts, args.max_tokens)
     variants = {
@@ -112,8 +114,11 @@ def main() -> None:
         "fp8_kv_scale_1": dict(kv_cache_dtype="fp8_e4m3"),
         "fp8_weights": dict(quantization="fp8"),
         "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+        "bf16": dict(dtype="bfloat16"),
+        "int8_weights": dict(quantization="int8"),
     }
-    for name, settings in variants.items():
+    for name in args.variants or variants:
+        settings = variants[name]
         candidate = core(**settings)
         if name == "fp8_kv_scale_1":
             set_kv_scales(candidate.runner.model, 1.0)

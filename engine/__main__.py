@@ -8,6 +8,11 @@ import os
 import sys
 import typing
 
+# OpenMP workers that sleep at once when idle: a spinning worker on a shared 2-core box takes the
+# core from the thread with work (benchmarks/cpu_profile.py: 2 threads at 8-32 rows ran 5-10x
+# slower than with sleeping workers at load 7); libgomp reads this when torch loads it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from engine.config import EngineConfig
 from engine.logs import LOG_LEVELS, configure_logging
 from engine.protocol import ENGINE_TOKEN_ENV, read_engine_token

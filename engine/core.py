@@ -20,6 +20,7 @@ from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
 from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
+from engine.models.cpu import cpu_matmuls
 from engine.models.fp8 import is_fp8, quantize_fp8
 from engine.protocol import (
     EngineStats,
@@ -134,6 +135,8 @@ class EngineCore:
         if config.quantization == "fp8" and not is_fp8(model):
             quantize_fp8(model)
             log.info("weights_quantized", quantization="fp8")
+        if device.type == "cpu" and (path := cpu_matmuls(model, config.quantization, dtype)) is not None:
+            log.info("cpu_matmuls", path=path)
         kv_dtype = kv_cache_dtype(config, dtype)
         if kv_dtype == FP8_KV:
             amax = calibrate_kv_scales(model, device, dtype)

@@ -19,6 +19,7 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu import resident_bytes
 from engine.metrics import Metrics
 from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError
 from engine.warmup import warmup
@@ -138,7 +139,8 @@ class EngineLoop:
             )
             self._publisher.start()
         self.snapshot = core.stats()
-        log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), **self.snapshot.to_wire())
+        log.info("engine_ready", seconds=round(time.perf_counter() - t0, 2), rss_mib=resident_bytes() >> 20,
+                 **self.snapshot.to_wire())
         self.ready.set()
         return core
 

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.cpu import lazy_zeros
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.kv_groups import group_tables, kv_layout
 from engine.prompt_logprobs import collect_prompt_logprobs
@@ -76,6 +77,8 @@ class ModelRunner:
 
     def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        if self.device.type == "cpu":  # resident only once written: the pool's size costs nothing idle
+            return [tuple(lazy_zeros(shape, self.kv_dtype) for _ in "kv") for _ in range(self.layout.group_size)]
         return [
             tuple(torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in "kv")
             for _ in range(self.layout.group_size)

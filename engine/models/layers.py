@@ -210,8 +210,9 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, attn, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head.weight)
+        weight = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
+        matmul = getattr(weight, "cpu_matmul", None)  # a CPU matmul path's (engine.models.cpu)
+        logits = F.linear(hidden, weight) if matmul is None else matmul(hidden)
         return logits.float() if out is None else out.copy_(logits)
 
     def fused_parts(self) -> dict[str, dict[str, slice]]:
