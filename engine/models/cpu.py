@@ -56,7 +56,8 @@ class Int8:
 
 class CpuOps:
     """An op set whose ``linear``/``norm_linear`` call a weight's ``cpu_matmul`` when it has one (set
-    by the transforms below); every other op, and weights without one, are the base's."""
+    by the transforms below); every other op, and weights without one (an fp8 transform's, which
+    comes with its ``weight_scale``), are the base's."""
 
     def __init__(self, base: KernelOps) -> None:
         self.base = base
@@ -64,16 +65,16 @@ class CpuOps:
     def __getattr__(self, name: str):
         return getattr(self.base, name)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
         matmul = getattr(weight, "cpu_matmul", None)
-        return self.base.linear(x, weight) if matmul is None else matmul(x)
+        return self.base.linear(x, weight, weight_scale) if matmul is None else matmul(x)
 
     def norm_linear(
         self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-        weight: torch.Tensor, gated: bool = False,
+        weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         normed, residual = self.base.rms_norm(x, norm_weight, eps, residual)
-        out = self.linear(normed, weight)
+        out = self.linear(normed, weight, weight_scale)
         return (self.base.silu_and_mul(out) if gated else out), residual
 
 
@@ -86,6 +87,8 @@ def _head(model: CausalLM) -> nn.Parameter:
 
 
 def _use_cpu_ops(model: CausalLM) -> None:
+    if isinstance(model.ops, CpuOps):  # transformed before (an engine built twice on one model)
+        return
     ops = CpuOps(model.ops)
     for module in model.modules():
         if hasattr(module, "ops"):
@@ -96,7 +99,8 @@ def _use_cpu_ops(model: CausalLM) -> None:
 def transpose_weights(model: CausalLM) -> CausalLM:
     """Give every fp32 projection and the LM head a transposed copy for one-row products."""
     for weight in (*(m.weight for m in _projections(model)), _head(model)):
-        weight.cpu_matmul = Transposed(weight)
+        if not hasattr(weight, "cpu_matmul"):
+            weight.cpu_matmul = Transposed(weight)
     _use_cpu_ops(model)
     return model
 

@@ -26,12 +26,13 @@ def dense_causal_attention(q, k, v, scale):
     return out
 
 
-def paged_inputs(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=4, seed=0):
-    """Random per-sequence q/k/v, with k/v scattered into a cache through shuffled block tables."""
+def paged_inputs(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=4, seed=0, shuffle=True):
+    """Random per-sequence q/k/v, with k/v scattered into a cache through shuffled block tables (or,
+    ``shuffle=False``, tables of consecutive blocks, which the CPU reads in place)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in ctx_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay garbage
-    perm = torch.randperm(num_blocks, generator=g).tolist()
+    perm = torch.randperm(num_blocks, generator=g).tolist() if shuffle else list(range(num_blocks))[::-1]
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     width = max(blocks_per_seq)
@@ -56,21 +57,27 @@ def paged_inputs(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_s
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("host_lists", [True, False])
 @pytest.mark.parametrize("batched_decode_max_keys", [ops.BATCHED_DECODE_MAX_KEYS, 0])
+@pytest.mark.parametrize("shuffle, new_rows", [(True, False), (True, True), (False, False), (False, True)])
 def test_paged_attention_mixed_batch_matches_dense(num_heads, num_kv_heads, host_lists, batched_decode_max_keys,
-                                                   monkeypatch):
+                                                   shuffle, new_rows, monkeypatch):
     # decodes (in one padded call, or one call each), a full prefill, chunked prefills, a
-    # zero-length entry; contexts on and around the block boundaries (block_size 4).
+    # zero-length entry; contexts on and around the block boundaries (block_size 4); pages gathered
+    # or read in place, the new rows from the cache or from key/value.
     monkeypatch.setattr(ops, "BATCHED_DECODE_MAX_KEYS", batched_decode_max_keys)
     ctx_lens = [1, 4, 5, 17, 12, 9, 8, 6]
     q_lens = [1, 1, 1, 17, 7, 4, 0, 6]
     q, k_cache, v_cache, block_tables, starts, seqs = paged_inputs(
-        ctx_lens, q_lens, num_heads, num_kv_heads
+        ctx_lens, q_lens, num_heads, num_kv_heads, shuffle=shuffle
     )
+    new = {}
+    if new_rows:  # this step's rows, as store_kv wrote them to the cache
+        new = {name: torch.cat([x[len(x) - len(qi):] for qi, *kv in seqs for x in kv[i:i + 1]])
+               for i, name in enumerate(("key", "value"))}
     scale = 16**-0.5
     out = ops.paged_attention(
         q, k_cache, v_cache, block_tables,
         torch.tensor(ctx_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), scale,
-        ctx_lens if host_lists else None, starts if host_lists else None,
+        ctx_lens if host_lists else None, starts if host_lists else None, **new,
     )
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (qi, k, v) in enumerate(seqs):
