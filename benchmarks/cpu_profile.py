@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import DUMMY_CONFIGS
+from engine.models.cpu import PACK_ROWS
 from loadtest.stamp import emit
 
 
@@ -70,6 +71,7 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     transposed = [w.t().contiguous() for w in weights]
     mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_ROWS) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     int8 = [int8_rows(w) for w in weights]
     int8_bf16 = [(q, s.bfloat16()) for q, s in int8]
@@ -78,6 +80,8 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
         "fp32 x @ Wt": (lambda: [xs[w.shape[0]] @ w for w in transposed], fp32_bytes),
         "fp32 mkl packed": (lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, rows) for p, w in mkl],
                             fp32_bytes),
+        "fp32 oneDNN packed": (lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                        for w, p in zip(weights, onednn)], fp32_bytes),
         "bf16 F.linear": (lambda: [F.linear(xs_bf16[w.shape[1]], w) for w in bf16], fp32_bytes // 2),
         "int8 _weight_int8pack_mm (bf16 x)": (
             lambda: [torch.ops.aten._weight_int8pack_mm(xs_bf16[q.shape[1]], q, s) for q, s in int8_bf16],

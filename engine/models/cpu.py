@@ -4,8 +4,10 @@ that its op set calls instead of ``F.linear``.
 
 - fp32 (``transpose_weights``): a transposed copy of every weight serves one-row products (batch-1
   decode), where ``x @ Wt`` streams the weights 1.3-1.5x as fast as ``F.linear`` on the same
-  cores; more rows go through ``F.linear``, which is 1.2-2x as fast there
+  cores; more rows go through a oneDNN-packed copy, 1.4-2x ``F.linear``'s speed at 8-2048 rows
   (``benchmarks/cpu_profile.py matmul``). Exact to rounding: fp32 products of the same weights.
+  The copies cost twice the weights' memory (the original stays: loaders, transforms and the HF
+  twin read it).
 - int8 (``quantize_int8``): weight-only int8 with one scale per output channel (row absolute
   maximum / 127), multiplied by torch's int8 weight-pack kernel over bf16 activations (its fast
   path); the LM head too (the tied embedding keeps its table). Norms, attention and the residual
@@ -23,21 +25,29 @@ from torch import nn
 from engine.models.layers import CausalLM, Linear
 from kernels import KernelOps
 
-# Products of at most this many rows use the transposed copy (x @ Wt); above it F.linear is faster.
+# Products of at most this many rows use the transposed copy (x @ Wt); more rows the oneDNN-packed weight.
 TRANSPOSED_MAX_ROWS = 1
+# The row count oneDNN packs the weights for: between a decode batch and a prefill chunk (the packed
+# product is 1.5-2x F.linear's speed at 8-256 rows whichever of 1, 64 or the exact count it was packed for).
+PACK_ROWS = 64
 
 
-class Transposed:
-    """``x @ weight.T`` through a transposed copy for one row, ``F.linear`` otherwise."""
+class Fp32Matmul:
+    """``x @ weight.T`` in fp32: through a transposed copy for one row, a oneDNN-packed copy (where
+    torch has oneDNN) or ``F.linear`` for more."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.transposed = weight.t().contiguous()
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_ROWS)
+                       if torch.backends.mkldnn.is_available() else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= TRANSPOSED_MAX_ROWS:
             return x @ self.transposed
-        return F.linear(x, self.weight)
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 class Int8:
@@ -97,10 +107,10 @@ def _use_cpu_ops(model: CausalLM) -> None:
 
 @torch.no_grad()
 def transpose_weights(model: CausalLM) -> CausalLM:
-    """Give every fp32 projection and the LM head a transposed copy for one-row products."""
+    """Give every fp32 projection and the LM head its transposed and packed copies."""
     for weight in (*(m.weight for m in _projections(model)), _head(model)):
         if not hasattr(weight, "cpu_matmul"):
-            weight.cpu_matmul = Transposed(weight)
+            weight.cpu_matmul = Fp32Matmul(weight)
     _use_cpu_ops(model)
     return model
 
@@ -122,9 +132,14 @@ def cpu_matmuls(model: CausalLM, quantization: str, dtype: torch.dtype) -> str |
     """Apply the CPU matmul path of ``quantization`` and ``dtype`` to a loaded single-device CPU
     model: int8 weights, or the transposed layout for fp32 ones; returns which (None: neither)."""
     if quantization == "int8":
-        quantize_int8(model)
+        if not is_int8(model):  # quantized before: its weights are int8 already
+            quantize_int8(model)
         return "int8"
     if quantization == "none" and dtype == torch.float32:
         transpose_weights(model)
         return "transposed"
     return None
+
+
+def is_int8(model: CausalLM) -> bool:
+    return isinstance(getattr(_head(model), "cpu_matmul", None), Int8)
