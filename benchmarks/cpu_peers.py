@@ -169,8 +169,9 @@ class Server:
 
 def servers(args, gguf: Path) -> dict[str, Server]:
     py = sys.executable
+    # no load shedding: the workloads queue more than the default 20 s of work on a loaded 2-core box
     kvgate = [py, "-m", "gateway", "serve", "--port", "{port}", "--spawn-engines", "1", "--model", str(gguf),
-              "--log-level", "WARNING"]
+              "--log-level", "WARNING", "--max-queue-seconds", "3600"]
     made: dict[str, Server] = {
         "kvgate": Server("kvgate", "fp32", kvgate, extra={"ignore_eos": True}),
         "kvgate-int8": Server("kvgate-int8", "int8 weights, bf16 activations",
