@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _flag(
         0.9, "fraction of the GPU's memory this engine may use: weights, the largest step's activations "
              "(measured by a profiling run) and the KV cache fill it")
+    host_kv_cache_gib: float = _flag(
+        0.0, "GiB of host memory (pinned on CUDA) for a second KV tier: full blocks evicted from the KV pool "
+             "are copied there and a later prefix hit loads them back instead of recomputing them; 0 = off",
+        metavar="GIB")
     enforce_eager: bool = _flag(False, "no CUDA graphs: run decode steps eagerly (default: graphs on CUDA)",
                                 action="store_true")
     enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
@@ -410,6 +415,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not (math.isfinite(self.host_kv_cache_gib) and self.host_kv_cache_gib >= 0):
+            raise ValueError(f"host_kv_cache_gib must be a non-negative number of GiB, got {self.host_kv_cache_gib}")
+        if self.host_kv_cache_gib and self.tensor_parallel_size > 1:
+            raise ValueError("host_kv_cache_gib is not supported with tensor_parallel_size > 1 yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.max_entries_fraction <= 1:

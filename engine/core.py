@@ -18,6 +18,7 @@ import torch
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
+from engine.kv_host import HostBlockPool, HostKVStore, HostTransfers
 from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
 from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.models.fp8 import is_fp8, quantize_fp8
@@ -74,6 +75,8 @@ class Runner(Protocol):
     def profile_memory(self, num_tokens: int, gpu_memory_utilization: float) -> MemoryProfile: ...
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]: ...
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+    def allocate_host_kv_cache(self, num_slots: int) -> None: ...
+    def move_host_blocks(self, transfers: HostTransfers) -> None: ...
 
 
 class EngineCore:
@@ -91,12 +94,23 @@ class EngineCore:
             # Rolling back rejected drafts is implemented for the single-group pool only.
             raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
         record_events = config.index_url is not None
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
+        host = None
+        if config.host_kv_cache_gib and config.enable_prefix_caching:
+            num_slots = HostKVStore.slots_for(config.host_kv_cache_gib, per_block)
+            if num_slots == 0:
+                raise ValueError(f"host_kv_cache_gib {config.host_kv_cache_gib} holds no KV block of "
+                                 f"{per_block} bytes; raise it or set 0")
+            runner.allocate_host_kv_cache(num_slots)
+            host = HostBlockPool(num_slots, record_events)
+            log.info("host_kv_cache_ready", num_blocks=num_slots, kv_tokens=num_slots * config.block_size,
+                     host_kv_gib=round(num_slots * per_block / 2**30, 3), pinned=self.device.type == "cuda")
         # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
         self.kv: KVCacheManager | HybridKVCacheManager = (
             HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events)
             if layout.hybrid else
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
-                           max_entries=int(num_blocks * config.max_entries_fraction))
+                           max_entries=int(num_blocks * config.max_entries_fraction), host=host)
         )
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
@@ -110,7 +124,6 @@ class EngineCore:
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
-        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
         # a token of context takes a page slot in every layer group
         self.kv_tokens_per_gib = 2**30 * config.block_size // (per_block * len(layout.group_windows))
         log.info(
@@ -259,7 +272,7 @@ class EngineCore:
             queued_at = self._queued_at.pop(seq.request_id, None)
             if queued_at is not None:
                 self._queue_times.append(t0 - queued_at)
-        self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
+        self._copy_blocks()  # host tier loads and offloads; prefix hits resume on copies of exact-position entries
         sampled = self.runner.execute(scheduled)
         outputs = self.scheduler.update(scheduled, sampled)
         self._copy_blocks()  # new entries, while their source pages still hold this step's KV
@@ -278,6 +291,9 @@ class EngineCore:
         return times
 
     def _copy_blocks(self) -> None:
+        transfers = self.kv.take_host_transfers()
+        if transfers:
+            self.runner.move_host_blocks(transfers)
         copies = self.kv.take_block_copies()
         if copies:
             self.runner.copy_blocks(copies)
@@ -319,7 +335,13 @@ class EngineCore:
         return [s for seqs in self.requests.values() for s in seqs if s.status is not Status.FINISHED]
 
     def check_integrity(self) -> BlockCounts:
+        """The KV pool's counts; raises IntegrityError if it or the host tier is inconsistent."""
+        self.check_host_integrity()
         return self.kv.check_integrity(self.live_sequences())
+
+    def check_host_integrity(self) -> BlockCounts | None:
+        """The host tier's counts (None without one); raises IntegrityError if it is inconsistent."""
+        return self.kv.host.check_integrity() if self.kv.host is not None else None
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()
@@ -328,8 +350,12 @@ class EngineCore:
         """Every cached block's (hash, parent); thread-safe (the KV event publisher calls it)."""
         return self.kv.snapshot()
 
+    def host_kv_snapshot(self) -> list[BlockHash]:
+        """The hashes the host tier holds (none without one); thread-safe, as :meth:`kv_snapshot`."""
+        return self.kv.host.snapshot() if self.kv.host is not None else []
+
     def stats(self) -> EngineStats:
-        kv = self.kv
+        kv, host = self.kv, self.kv.host
         spec = self.proposer.stats if self.proposer is not None else None
         return EngineStats(
             model=self.config.served_name,
@@ -355,6 +381,10 @@ class EngineCore:
             total_computed_tokens=self.counters.computed_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_tokens_per_gib=self.kv_tokens_per_gib,
+            num_host_blocks=host.num_slots if host else 0,
+            num_host_cached_blocks=host.num_cached_blocks if host else 0,
+            host_offloaded_blocks=host.num_offloaded if host else 0,
+            host_loaded_blocks=host.num_loaded if host else 0,
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

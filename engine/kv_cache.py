@@ -29,17 +29,25 @@ only.
 
 The manager only plans page copies; the engine runs them (:meth:`take_block_copies`) in order,
 before the next forward reads or writes the pool.
+
+With a host tier (``host``, see :mod:`engine.kv_host`), a full block whose hash leaves the pool is
+offloaded to it, and a prefix hit continues past the pool's cached blocks into blocks the host tier
+holds: they are loaded into new blocks (planned like page copies, :meth:`take_host_transfers`,
+which the engine runs first) and count as cached tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.request import Sequence
 from prefix_index.events import BlockRemoved, BlockStored, KVEvent
 from prefix_index.hashing import BlockHash, hash_block
+
+if TYPE_CHECKING:
+    from engine.kv_host import HostBlockPool, HostTransfers
 
 
 class BlockCounts(NamedTuple):
@@ -59,12 +67,14 @@ class PositionEntry(NamedTuple):
 
 
 class PrefixMatch(NamedTuple):
-    """What :meth:`KVCacheManager.match_prefix` found: cached full blocks, then possibly an entry
-    whose page serves the next ``num_tokens - len(blocks) * block_size`` tokens."""
+    """What :meth:`KVCacheManager.match_prefix` found: cached full blocks, then the hashes of full
+    blocks the host tier holds (to load), then possibly an entry whose page serves the tokens up to
+    ``num_tokens``."""
 
     blocks: list[int]
     entry: PositionEntry | None
     num_tokens: int  # prompt tokens served from cache
+    host_hashes: tuple[BlockHash, ...] = ()
 
 
 class IntegrityError(AssertionError):
@@ -155,6 +165,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         record_events: bool = False,
         max_entries: int | None = None,
+        host: HostBlockPool | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
@@ -172,6 +183,7 @@ class KVCacheManager:
         self.cached: dict[BlockHash, int] = {}
         self.parent_of: dict[BlockHash, BlockHash | None] = {}  # of every cached hash (index resyncs)
         self.entries = PositionEntries(max_entries if enable_prefix_caching else 0)
+        self.host = host if enable_prefix_caching else None
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages, in the order planned
         self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
@@ -219,10 +231,17 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit.append(block_id)
-        num_tokens = len(hit) * self.block_size
-        tails = self.entries.tails(self._entry_key(seq, len(hit)))
+        host_hashes: list[BlockHash] = []
+        if self.host is not None:
+            for block_hash in hashes[len(hit) : max_blocks]:
+                if self.host.get((0, block_hash)) is None:
+                    break
+                host_hashes.append(block_hash)
+        num_full = len(hit) + len(host_hashes)
+        num_tokens = num_full * self.block_size
+        tails = self.entries.tails(self._entry_key(seq, num_full))
         if not tails:
-            return PrefixMatch(hit, None, num_tokens)
+            return PrefixMatch(hit, None, num_tokens, tuple(host_hashes))
         rest = seq.all_token_ids[num_tokens : min(num_tokens + self.block_size, seq.num_tokens) - 1]
         best, num_shared = None, 0
         for tail, block_id in tails.items():
@@ -230,15 +249,16 @@ class KVCacheManager:
             if n > num_shared:
                 best, num_shared = block_id, n
         if best is None:
-            return PrefixMatch(hit, None, num_tokens)
-        return PrefixMatch(hit, self.entries[best], num_tokens + num_shared)
+            return PrefixMatch(hit, None, num_tokens, tuple(host_hashes))
+        return PrefixMatch(hit, self.entries[best], num_tokens + num_shared, tuple(host_hashes))
 
     # --- commands ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> list[int] | None:
         """Give ``seq`` the blocks to hold ``num_new_tokens`` more tokens, or None if the pool can't.
 
         ``prefix`` (from :meth:`match_prefix`, only for a sequence with no blocks yet): its full
-        blocks are taken first and, with its entry's shared tokens, count as computed. The entry's
+        blocks are taken first, then new blocks loaded from its host-held ones (cached under their
+        hashes at once), and these, with its entry's shared tokens, count as computed. The entry's
         page is copied into the first new block (a planned copy, see :meth:`take_block_copies`);
         when that block would have to be the entry's own, the sequence takes the entry's block over
         instead. Returns the new blocks. On None nothing has changed.
@@ -258,11 +278,12 @@ class KVCacheManager:
             if self.ref_cnt[block_id] == 0:
                 del self.free_queue[block_id]
             self.ref_cnt[block_id] += 1
-        new_blocks: list[int] = []
         entry = prefix.entry if prefix is not None else None
+        if entry is not None:  # the most recently used block: loads below never take it
+            self._touch_entry(entry.block_id)
+        new_blocks = self._load_from_host(seq, prefix) if prefix is not None and prefix.host_hashes else []
         if entry is not None:
-            if num_new_blocks < available:  # the entry stays: now the most recently used block
-                self._touch_entry(entry.block_id)
+            if num_new_blocks < available:  # the entry stays
                 page = self._take_free_block()
                 self._copies.append((entry.block_id, page))
             else:
@@ -276,8 +297,28 @@ class KVCacheManager:
         seq.block_ids.extend(new_blocks)
         if prefix is not None:
             seq.num_computed_tokens = num_computed
-            self._registered[seq.key] = len(cached_blocks)
+            self._registered[seq.key] = len(cached_blocks) + len(prefix.host_hashes)
         return new_blocks
+
+    def _load_from_host(self, seq: Sequence, prefix: PrefixMatch) -> list[int]:
+        """New blocks for ``prefix``'s host-held hashes, each cached under its hash, their loads
+        planned. The slots are pinned first: taking a block may offload another to the host tier."""
+        assert self.host is not None
+        slots = [self.host.pin((0, h)) for h in prefix.host_hashes]
+        hashes = seq.update_block_hashes(self.block_size)
+        start = len(prefix.blocks)
+        blocks = []
+        for i, (slot, block_hash) in enumerate(zip(slots, prefix.host_hashes), start):
+            block_id = self._take_free_block()
+            self.host.load(slot, block_id)
+            self.block_hash[block_id] = block_hash
+            self.cached[block_hash] = block_id
+            self.parent_of[block_hash] = hashes[i - 1] if i else None
+            blocks.append(block_id)
+        if self.record_events:
+            self._flush_removed()
+            self._events.append(BlockStored(list(prefix.host_hashes), hashes[start - 1] if start else None))
+        return blocks
 
     def record_prefix_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:
         seq.num_cached_tokens = num_cached_tokens
@@ -348,10 +389,17 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def take_host_transfers(self) -> HostTransfers | None:
+        """The host tier's planned copies (see :meth:`HostBlockPool.take_transfers`); None without one.
+        Run them before the block copies of :meth:`take_block_copies`."""
+        return self.host.take_transfers() if self.host is not None else None
+
     def drain_events(self) -> list[KVEvent]:
-        """KV events since the last call, in order (for the prefix index publisher)."""
+        """KV events since the last call, in order within each tier (for the prefix index publisher)."""
         self._flush_removed()
         events, self._events = self._events, []
+        if self.host is not None:
+            events.extend(self.host.drain_events())
         return events
 
     def snapshot(self) -> list[tuple[BlockHash, BlockHash | None]]:
@@ -378,6 +426,8 @@ class KVCacheManager:
             self.block_hash[block_id] = None
             if self.record_events:
                 self._removed.append(block_hash)
+            if self.host is not None:
+                self.host.offload((0, block_hash), block_id)
         self.ref_cnt[block_id] = 1
         return block_id
 

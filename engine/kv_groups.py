@@ -104,6 +104,7 @@ class HybridKVCacheManager:
         self.cached: list[dict[BlockHash, int]] = [{} for _ in self.windows]
         self.parent_of: dict[BlockHash, BlockHash | None] = {}  # group 0's cached blocks
         self.entries = PositionEntries(0)
+        self.host = None
         self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
         self._registered: dict[tuple[str, int], int] = {}  # sequence key -> blocks hashed so far
@@ -249,6 +250,9 @@ class HybridKVCacheManager:
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Always empty: a hybrid pool plans no page copies (no exact-position entries)."""
         return []
+
+    def take_host_transfers(self) -> None:
+        return None
 
     def drain_events(self) -> list[KVEvent]:
         self._flush_removed()

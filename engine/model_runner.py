@@ -12,6 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.kv_groups import group_tables, kv_layout
+from engine.kv_host import HostKVStore, HostTransfers
 from engine.prompt_logprobs import collect_prompt_logprobs
 from engine.protocol import SamplingParams
 from engine.request import Sequence
@@ -69,6 +70,7 @@ class ModelRunner:
         self.layout = kv_layout(config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (groups share tensors)
         self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's group_size tensors
+        self.host_kv: HostKVStore | None = None  # the host tier's pages (--host-kv-cache-gib)
         self.sampler = Sampler(config.eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
@@ -87,6 +89,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_pages = self._new_kv_pages(num_blocks)
         self.kv_caches = self._per_layer(self.kv_pages)
+
+    def allocate_host_kv_cache(self, num_slots: int) -> None:
+        """Host pages for ``num_slots`` pool pages (after :meth:`allocate_kv_cache`)."""
+        self.host_kv = HostKVStore(self.kv_pages, num_slots)
+
+    def move_host_blocks(self, transfers: HostTransfers) -> None:
+        """Queue the host tier's copies (see :meth:`HostKVStore.run`; no sync on CUDA)."""
+        assert self.host_kv is not None, "allocate_host_kv_cache first"
+        self.host_kv.run(transfers)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

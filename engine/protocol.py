@@ -269,6 +269,10 @@ class EngineStats:
     total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
     kv_cache_dtype: str  # --kv-cache-dtype as resolved: the KV pool's torch dtype name
     kv_tokens_per_gib: int  # tokens of context one GiB of the KV pool holds (all layers)
+    num_host_blocks: int  # blocks the host-memory KV tier holds at most (0: no tier)
+    num_host_cached_blocks: int  # blocks it holds now
+    host_offloaded_blocks: int  # blocks copied to it since start (evicted from the pool)
+    host_loaded_blocks: int  # blocks copied back from it since start (prefix hits)
     # Speculative decoding counters since start (all 0 and [] without --speculative):
     spec_num_drafts: int  # sequence-steps that verified a draft
     spec_num_draft_tokens: int

@@ -12,9 +12,9 @@ import redis
 from index_testing import SHARED_REDIS_URL, RedisClusterServers, delete_namespace, free_port, wait_until
 from redis.crc import key_slot
 
-from prefix_index.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
+from prefix_index.events import HOST, AllCleared, BlockRemoved, BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
-from prefix_index.index import IndexUnavailableError, open_index, redact_url
+from prefix_index.index import IndexUnavailableError, TierMatch, open_index, redact_url
 
 BS = 16
 LIVE_S = 60.0
@@ -86,6 +86,38 @@ async def test_holes_left_by_evictions_cut_the_prefix_until_refilled(open_test_i
     assert await index.lookup(h) == {"r": 0, "ref": 6}
     await store(index, "r", h[:1])
     assert await index.lookup(h) == {"r": 7, "ref": 6}
+
+
+async def test_host_tier_extends_the_match_past_the_device_tier(open_test_index):
+    """A block either tier holds counts towards ``total``, only the pool's (and speculative
+    entries) towards ``device``; host events change the host tier alone."""
+    index = open_test_index()
+    h = chain(10)
+    await join(index, "tiered", h[:3])
+    await index.apply(KVEventBatch("tiered", 1, [BlockStored([h[5], h[3], h[4], h[7]], None, HOST)]))
+    await join(index, "device", h[:5])
+    await join(index, "host-only")
+    await index.apply(KVEventBatch("host-only", 1, [BlockStored(h[:2], None, HOST)]))
+    await join(index, "holes", h[:4])
+    await index.apply(KVEventBatch("holes", 1, [BlockRemoved([h[1]]), BlockStored([h[1], h[4]], None, HOST)]))
+    assert await index.lookup_tiers(h) == {
+        "tiered": TierMatch(3, 6), "device": TierMatch(5, 5), "host-only": TierMatch(0, 2),
+        "holes": TierMatch(1, 5),
+    }
+    assert await index.lookup(h) == {"tiered": 3, "device": 5, "host-only": 0, "holes": 1}
+    await index.insert_speculative("host-only", h[:1], LIVE_S)
+    await index.apply(KVEventBatch("tiered", 1, [BlockRemoved([h[4]], HOST), BlockRemoved([h[0]])]))
+    assert await index.lookup_tiers(h[:8]) == {
+        "tiered": TierMatch(0, 0), "device": TierMatch(5, 5), "host-only": TierMatch(1, 2),
+        "holes": TierMatch(1, 5),
+    }
+    await store(index, "tiered", h[:1])  # the device tier again: the host tier's blocks follow
+    await index.apply(KVEventBatch("tiered", 1, [BlockStored([h[4]], None, HOST)]))
+    assert (await index.lookup_tiers(h))["tiered"] == TierMatch(3, 6)
+    await index.apply(KVEventBatch("tiered", 1, [AllCleared()]))
+    assert (await index.lookup_tiers(h))["tiered"] == TierMatch(0, 0)
+    with pytest.raises(ValueError, match=r"events\[0\].tier"):
+        await index.apply(KVEventBatch("tiered", 1, [BlockStored(h[:1], None, "disk")]))
 
 
 async def test_branching_prompts_share_their_common_prefix(open_test_index):
