@@ -150,14 +150,23 @@ def test_without_prefix_caching_the_host_tier_is_off():
 
 # --- the bytes ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_host_store_round_trips_pages_bytewise(dtype):
-    pages = [tuple(torch.randn(6, BS, 2, 8).to(dtype) for _ in "kv") for _ in range(3)]
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_host_store_round_trips_pages_bytewise(dtype, device):
+    """On CUDA through pinned memory and the copy stream, with no synchronization but the test's."""
+    pages = [tuple(torch.randn(6, BS, 2, 8, device=device).to(dtype) for _ in "kv") for _ in range(3)]
     before = [tuple(t.clone() for t in pair) for pair in pages]
     store = HostKVStore(pages, 4)
+    assert store.host.is_pinned() == (device == "cuda")
     store.run(HostTransfers([(1, 2), (4, 0)], []))
     # block 1 is overwritten by a load of slot 0 (block 4's copy) in the same batch as its offload
     store.run(HostTransfers([(1, 3)], [(0, 1), (2, 5)]))
+    if device == "cuda":
+        torch.cuda.synchronize()
     for pair, old in zip(pages, before):
         for t, o in zip(pair, old):
             assert torch.equal(t[1].view(torch.uint8), o[4].view(torch.uint8))
@@ -272,3 +281,35 @@ def test_soak_with_aborts_and_preemption_keeps_both_pools_whole(smollm2_core):
     for rid, (prompt, tokens, cached) in answers.items():
         if cached:
             assert run(cold, [greedy(rid, prompt, len(tokens))])[rid]["tokens"] == tokens, rid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_a_turn_loaded_from_host_answers_as_one_hit_in_the_pool(kv_cache_dtype):
+    """bf16 on the H200: an engine whose small pool sends a conversation to the host tier and loads
+    it back gives the next turn the same tokens as an engine whose pool kept it (the same KV bytes;
+    a cold prefill would compute them in other chunks, with other bf16 roundings)."""
+    from engine.models.loader import load_model
+    from kernels import load_ops
+
+    model, config = load_model("smollm2-135m", "dummy", "cuda", torch.bfloat16, load_ops("triton"))
+    rng = random.Random(0)
+    turn1 = [rng.randrange(300, 12000) for _ in range(600)]
+    others = [[rng.randrange(300, 12000) for _ in range(600)] for _ in range(4)]
+    answers = {}
+    for name, blocks, gib in (("host", 80, 0.2), ("pool", 1024, 0.0)):
+        core = EngineCore.from_model(EngineConfig(
+            model="smollm2-135m", device="cuda", block_size=16, num_kv_blocks=blocks, host_kv_cache_gib=gib,
+            max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype,
+            max_entries_fraction=0.0), model, config)  # entries stay in the pool: full blocks only
+        first = run(core, [greedy("t1", turn1, 16)])["t1"]["tokens"]
+        for i, other in enumerate(others):
+            run(core, [greedy(f"o{i}", other, 16)])
+        turn2 = turn1 + first + [rng.randrange(300, 12000) for _ in range(100)]
+        answers[name] = run(core, [greedy("t2", turn2, 32)])["t2"]
+        if gib:
+            assert core.kv.host.num_loaded >= len(turn1) // 16
+            core.check_host_integrity()
+    assert answers["host"]["cached"] == answers["pool"]["cached"] == (600 + 15) // 16 * 16
+    assert answers["host"]["tokens"] == answers["pool"]["tokens"]
