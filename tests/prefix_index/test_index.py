@@ -132,28 +132,32 @@ async def test_branching_prompts_share_their_common_prefix(open_test_index):
 
 
 class ReferenceIndex:
-    """The contract in a dozen lines: the suite compares both backends against it."""
+    """The contract in a few lines: the suite compares both backends against it."""
 
     def __init__(self):
-        self.held: dict[str, set[bytes]] = {}
+        self.held: dict[str, dict[str, set[bytes]]] = {}  # replica -> tier -> blocks
 
     def apply(self, replica_id, events):
-        held = self.held.setdefault(replica_id, set())
+        tiers = self.held.setdefault(replica_id, {"device": set(), "host": set()})
         for event in events:
             if isinstance(event, AllCleared):
-                held.clear()
+                for held in tiers.values():
+                    held.clear()
             elif isinstance(event, BlockStored):
-                held.update(event.block_hashes)
+                tiers[event.tier].update(event.block_hashes)
             else:
-                held.difference_update(event.block_hashes)
+                tiers[event.tier].difference_update(event.block_hashes)
 
-    def lookup(self, hashes):
+    def lookup_tiers(self, hashes):
         matched = {}
-        for replica_id, held in self.held.items():
-            n = 0
-            while n < len(hashes) and hashes[n] in held:
-                n += 1
-            matched[replica_id] = n
+        for replica_id, tiers in self.held.items():
+            device = 0
+            while device < len(hashes) and hashes[device] in tiers["device"]:
+                device += 1
+            total = device
+            while total < len(hashes) and (hashes[total] in tiers["device"] or hashes[total] in tiers["host"]):
+                total += 1
+            matched[replica_id] = TierMatch(device, total)
         return matched
 
 
@@ -168,22 +172,26 @@ async def test_random_events_match_the_reference(open_test_index, seed):
     for replica_id in replicas:
         await join(index, replica_id)
         reference.apply(replica_id, [])
-    for _ in range(60):
+    for _ in range(80):
         replica_id = rng.choice(replicas)
         prompt = rng.choice(prompts)
         kind = rng.random()
-        if kind < 0.55:
+        if kind < 0.4:
             start = rng.randrange(len(prompt))
             stop = rng.randrange(start, len(prompt)) + 1
             events = [BlockStored(prompt[start:stop], prompt[start - 1] if start else None)]
-        elif kind < 0.9:
+        elif kind < 0.55:
+            events = [BlockStored(rng.sample(prompt, rng.randint(1, 8)), None, HOST)]
+        elif kind < 0.8:
             events = [BlockRemoved(rng.sample(prompt, rng.randint(1, 4)))]
+        elif kind < 0.93:
+            events = [BlockRemoved(rng.sample(prompt, rng.randint(1, 4)), HOST)]
         else:
             events = [AllCleared(), BlockStored(prompt[: rng.randrange(len(prompt))])]
         await index.apply(KVEventBatch(replica_id, 1, events))
         reference.apply(replica_id, events)
         for p in prompts:
-            assert await index.lookup(p) == reference.lookup(p)
+            assert await index.lookup_tiers(p) == reference.lookup_tiers(p)
 
 
 async def test_dead_replicas_are_excluded(open_test_index):
