@@ -92,11 +92,13 @@ class EngineCore:
             raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
         record_events = config.index_url is not None
         # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
+        # an entry holds a page in every group: the fraction of the pool bounds their blocks
+        max_entries = int(num_blocks * config.max_entries_fraction) // len(layout.group_windows)
         self.kv: KVCacheManager | HybridKVCacheManager = (
-            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events)
+            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events,
+                                 max_entries)
             if layout.hybrid else
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
-                           max_entries=int(num_blocks * config.max_entries_fraction))
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events, max_entries)
         )
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
