@@ -47,6 +47,12 @@ class KVLayout(NamedTuple):
     def hybrid(self) -> bool:
         return any(self.group_windows)
 
+    def group_blocks(self, num_tokens: int, block_size: int) -> list[int]:
+        """Pages of each group one sequence of ``num_tokens`` tokens holds at its end: a window
+        group's cover its window and the block being filled."""
+        full = -(-num_tokens // block_size)
+        return [full if not w else min(full, -(-w // block_size) + 1) for w in self.group_windows]
+
 
 @functools.cache
 def kv_layout(config: ModelConfig) -> KVLayout:
@@ -88,6 +94,7 @@ class HybridKVCacheManager(BlockPool):
     ):
         super().__init__(num_blocks, block_size, enable_prefix_caching, record_events, max_entries,
                          num_groups=len(layout.group_windows))
+        self.layout = layout
         self.windows = layout.group_windows
         self.block_group: list[int] = [0] * num_blocks  # the group whose map holds the block's hash
         self.cached: list[dict[BlockHash, int]] = [{} for _ in self.windows]
@@ -108,8 +115,7 @@ class HybridKVCacheManager(BlockPool):
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks of every group one sequence of ``num_tokens`` tokens holds at its end."""
-        full = self._blocks(num_tokens)
-        return sum(full if not w else min(full, self._blocks(w) + 1) for w in self.windows)
+        return sum(self.layout.group_blocks(num_tokens, self.block_size))
 
     def group_block_counts(self, seq: Sequence) -> list[int]:
         """Blocks ``seq`` holds in each group."""

@@ -263,6 +263,18 @@ def test_engine_uses_the_hybrid_pool(gemma_tiny):
     assert len(core.runner.kv_pages) == 1 and len(core.runner.kv_caches) == 6
 
 
+def test_stats_count_kv_bytes_per_token_by_group(gemma_tiny):
+    core = engine(gemma_tiny)
+    stats = EngineStats.from_wire(core.stats().to_wire())
+    context, page = core.max_model_len, 2 * 16 * 32 * 4  # a page: 16 tokens of one layer's fp32 K and V
+    assert stats.kv_group_windows == [0] + [MODEL_WINDOW] * 5
+    full, window = context // 16, MODEL_WINDOW // 16 + 1  # blocks a max_model_len-long sequence holds
+    assert stats.kv_bytes_per_token_by_group == [page // 16] + [round(window * page / context)] * 5
+    assert stats.kv_tokens_per_gib == 2**30 * context // ((full + 5 * window) * page)
+    all_global = 2**30 // (6 * page // 16)  # every layer holding every token
+    assert stats.kv_tokens_per_gib > 5 * all_global
+
+
 def test_repeated_3k_prompt_hits_its_cache_with_the_same_output(gemma_tiny):
     core = engine(gemma_tiny)
     prompt = [random.Random(1).randrange(2, 512) for _ in range(3000)]
