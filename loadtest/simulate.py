@@ -182,7 +182,6 @@ class SimEngine:
             + sum(r.prefill_left for r in self.running),
             total_computed_tokens=self.computed_tokens,
             kv_cache_dtype="bfloat16", kv_tokens_per_gib=8192,  # a Llama-3-8B-shaped bf16 pool
-            num_host_blocks=0, num_host_cached_blocks=0, host_offloaded_blocks=0, host_loaded_blocks=0,
             spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
             spec_num_accepted_tokens_per_pos=[])
 

@@ -5,10 +5,12 @@ import random
 
 import pytest
 import torch
+from test_kv_groups import gemma_tiny  # noqa: F401 (a fixture)
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import BlockCounts, IntegrityError, KVCacheManager, PositionEntry, PrefixMatch, entry_key
+from engine.kv_groups import FREED, ON_HOST, HybridKVCacheManager, KVLayout, group_tables
 from engine.kv_host import HostBlockPool, HostKVStore, HostTransfers
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.request import Sequence
@@ -137,9 +139,10 @@ def test_pool_blocks_then_host_blocks_then_an_entry_make_one_hit():
     prefix = kv.match_prefix(c)
     assert prefix == PrefixMatch([0], kv.entries[page], 14, (h[1], h[2]))
     new = kv.allocate(c, 1, prefix)
-    assert new == [2, 5, 4] and c.block_ids == [0, 2, 5, 4]  # b's blocks, whose pages go to host first
-    assert kv.take_host_transfers() == HostTransfers([(1, 1), (2, 2), (5, 3), (4, 4)], [(1, 2), (0, 5)])
-    assert kv.take_block_copies() == [(page, 4)]
+    # b's blocks (their pages go to host first): the entry's copy takes the first, the loads the others
+    assert new == [5, 4, 2] and c.block_ids == [0, 5, 4, 2]
+    assert kv.take_host_transfers() == HostTransfers([(1, 1), (2, 2), (5, 3), (4, 4)], [(1, 5), (0, 4)])
+    assert kv.take_block_copies() == [(page, 2)]
     assert kv.check_integrity([c]) == BlockCounts(free=0, cached=1, used=4, entries=1)  # b's first block
 
 
@@ -313,3 +316,60 @@ def test_on_cuda_a_turn_loaded_from_host_answers_as_one_hit_in_the_pool(kv_cache
             core.check_host_integrity()
     assert answers["host"]["cached"] == answers["pool"]["cached"] == (600 + 15) // 16 * 16
     assert answers["host"]["tokens"] == answers["pool"]["tokens"]
+
+
+# --- the hybrid pool (sliding-window layer groups) -----------------------------------------------
+
+HYBRID = KVLayout(group_windows=(0, 8), layer_group=(1, 0), layer_slot=(0, 0), group_size=1)
+
+
+def test_hybrid_pool_offloads_each_groups_blocks_and_loads_the_ones_a_hit_needs():
+    """Window 8 (two blocks): a hit at 28 tokens needs group 0's 7 blocks and group 1's last two."""
+    host = HostBlockPool(32, record_events=True)
+    kv = HybridKVCacheManager(16, BS, HYBRID, max_entries=0, host=host, record_events=True)
+    prompt = list(range(200, 230))  # 30 tokens: 7 full blocks
+    first = make_seq(prompt, "a")
+    prefill(kv, first)
+    kv.free(first)
+    kv.drain_events()
+    hashes = block_hashes(prompt, BS)
+    other = make_seq(range(500, 560), "b")  # 15 blocks a group: everything of a's is evicted
+    assert kv.allocate(other, 32, kv.match_prefix(other)) is not None
+    offloads = kv.take_host_transfers().offloads
+    assert {host.slot_key[s] for _, s in offloads} == {(0, h) for h in hashes} | {(1, h) for h in hashes}
+    kv.free(other)
+    again = make_seq(prompt, "c")
+    match = kv.match_prefix(again)
+    assert match.num_tokens == 28 and match.tables == [[ON_HOST] * 7, [FREED] * 5 + [ON_HOST] * 2]
+    new = kv.allocate(again, 2, match)  # the loaded blocks, then a block for tokens 28-29 in each group
+    loads = kv.take_host_transfers().loads
+    assert [b for _, b in loads] == new[:9]  # group 0's seven, then group 1's two
+    assert [host.slot_key[s] for s, _ in loads] == [(0, h) for h in hashes] + [(1, h) for h in hashes[5:7]]
+    assert group_tables(again) == [[*new[:7], new[9]], [FREED] * 5 + [*new[7:9], new[10]]]
+    assert kv.cached[1][hashes[6]] == new[8] and kv.parent_of[hashes[1]] == hashes[0]
+    assert BlockStored(hashes, None) in kv.drain_events()  # group 0's, in the pool again
+    assert kv.check_integrity([again]).used == 11 and host.check_integrity().used == 0
+
+
+@pytest.mark.slow
+def test_hybrid_engine_resumes_a_turn_from_host_memory_as_a_cold_run(gemma_tiny):  # noqa: F811 (the fixture)
+    """A Gemma-3-shaped model (one global layer, five on a 64-token window): the first turn is
+    evicted to host memory by others on a small pool, the second loads every group's blocks it
+    needs back and answers as a cold engine."""
+    model, config = gemma_tiny
+    rng = random.Random(4)
+    turn1 = [rng.randrange(2, 512) for _ in range(300)]
+    settings = {"model": "gemma3-test", "max_num_batched_tokens": 64, "max_entries_fraction": 0.0}
+    core = EngineCore.from_model(EngineConfig(num_kv_blocks=120, host_kv_cache_gib=0.01, **settings), model, config)
+    first = run(core, [greedy("t1", turn1)])["t1"]["tokens"]
+    for i in range(3):
+        run(core, [greedy(f"o{i}", [rng.randrange(2, 512) for _ in range(300)])])
+    turn2 = turn1 + first + [rng.randrange(2, 512) for _ in range(40)]
+    assert block_hashes(turn2, 16)[0] not in core.kv.cached[0]
+    warm = run(core, [greedy("t2", turn2)])["t2"]
+    assert warm["cached"] == (300 + 7) // 16 * 16 and core.kv.host.num_loaded > (300 + 7) // 16
+    cold = run(EngineCore.from_model(EngineConfig(num_kv_blocks=400, enable_prefix_caching=False, **settings),
+                                     model, config), [greedy("t2", turn2)])["t2"]
+    assert warm["tokens"] == cold["tokens"]
+    core.check_host_integrity()
+
