@@ -502,13 +502,13 @@ def bench_offline(bandwidth: float, peak: float, budget: Budget) -> None:
     )
     shape = Shape(core.model_config)
     steps: list[list[tuple[int, int, bool]]] = []
-    execute = core.runner.execute
+    launch = core.runner.launch
 
-    def traced(scheduled):
+    def traced(scheduled, previous=None):
         steps.append([(s.num_computed_tokens, n, s.num_computed_tokens + n == s.num_tokens) for s, n in scheduled])
-        return execute(scheduled)
+        return launch(scheduled, previous)
 
-    core.runner.execute = traced
+    core.runner.launch = traced
     samplings = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in out_lens]
     run = Run(core, prompts, samplings, "nano-")
     floor = 0.0

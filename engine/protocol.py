@@ -274,6 +274,9 @@ class EngineStats:
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_num_accepted_tokens_per_pos: list[int]  # [j]: drafts whose token j was accepted
+    # Optional (an older engine omits it): the prompt tokens a step beside running decodes may hold now,
+    # the fitted mixed-prefill budget (engine.mixed_budget); max_num_batched_tokens when that is off.
+    mixed_prefill_budget: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}
@@ -281,11 +284,14 @@ class EngineStats:
     @classmethod
     def from_wire(cls, wire: Any) -> EngineStats:
         """Parse a /stats body; raises :class:`ProtocolError` naming the first missing or mistyped field.
-        Fields it does not know are ignored: a newer engine may report more."""
+        Fields it does not know are ignored: a newer engine may report more; an optional one (with a
+        default) may be missing: an older engine reports fewer."""
         if not isinstance(wire, dict):
             raise ProtocolError(f"stats must be a map, got {type(wire).__name__}")
         values = {}
         for name, check in _STATS_FIELDS.items():
+            if name not in wire and name in _STATS_OPTIONAL:
+                continue
             if name not in wire:
                 raise ProtocolError(f"stats field {name!r} is missing", name)
             values[name] = check(wire[name], name)
@@ -344,6 +350,7 @@ _STATS_FIELDS = {
     f.name: {"str": _check_str, "int": _check_int, "float": _check_float, "list[int]": _check_counts}[f.type]
     for f in dataclasses.fields(EngineStats)
 }
+_STATS_OPTIONAL = {f.name for f in dataclasses.fields(EngineStats) if f.default is not dataclasses.MISSING}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 

@@ -56,6 +56,14 @@ class Sampler:
         self.masks = TokenMasks()
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> SamplerOutput:
+        tokens, logprobs = self.sample(logits, seqs)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """As calling the sampler, the tokens left on the logits' device (``[num_seqs]`` int64): only
+        rows that ask for logprobs wait for the device."""
         _check_batch(logits, seqs)
         self.masks.apply(logits, [s.matcher for s in seqs])
         logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
@@ -73,7 +81,7 @@ class Sampler:
             top = _token_logprobs(raw_logprobs, _rows(tokens, logprob_rows), ks)
             for i, lp in zip(logprob_rows, top):
                 logprobs[i] = lp
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return tokens, logprobs
 
     def plain_greedy(self, seqs: Sequence[SamplingSeq]) -> bool:
         """Whether every row's token is the argmax of its raw logits and no row asks for

@@ -264,10 +264,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
 class _FaultyRunner(ModelRunner):
     """Raises in any step that runs request "boom", as a failing device or a lost rank would."""
 
-    def execute(self, scheduled):
+    def launch(self, scheduled, previous=None):
         if any(seq.request_id == "boom" for seq, _ in scheduled):
             raise RuntimeError("device fault")
-        return super().execute(scheduled)
+        return super().launch(scheduled, previous)
 
 
 def test_a_step_that_raises_fails_the_engine_and_ends_its_requests():
