@@ -18,6 +18,7 @@ from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, ScheduledSeq
 from engine.spec_decode import verify
+from engine.transfer import to_device
 
 
 class MemoryProfile(NamedTuple):
@@ -228,7 +229,8 @@ class ModelRunner:
             q = self.verify_graphs.query_len
             logits = self.verify_graphs.run(seqs).logits
             rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
-            return LaunchedStep.on_host(self._verified(logits[torch.tensor(rows, device=self.device)], seqs), True)
+            rows = to_device(rows, torch.int64, self.device)
+            return LaunchedStep.on_host(self._verified(logits[rows], seqs), True)
         carried = _carried(scheduled, previous)
         graphs = self.decode_graphs
         prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
@@ -241,7 +243,7 @@ class ModelRunner:
                 return LaunchedStep.on_host([], graphed)
             sampling_seqs = [scheduled[i].seq for i in sample_rows]
             if len(sample_rows) < logits.shape[0]:
-                rows = torch.tensor(sample_rows, device=self.device)
+                rows = to_device(sample_rows, torch.int64, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer (no grammar)
                 return LaunchedStep(sampling_seqs, greedy, [None] * len(sampling_seqs), graphed, self._host_tokens())
@@ -252,7 +254,7 @@ class ModelRunner:
             if not sample_rows:
                 return LaunchedStep.on_host([], graphed)
             if len(sample_rows) < hidden.shape[0]:
-                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+                hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
             logits = self.model.compute_logits(hidden)
             if any(seq.draft_ids for seq in sampling_seqs):
                 return LaunchedStep.on_host(self._verified(logits, sampling_seqs), graphed)
@@ -289,10 +291,10 @@ class ModelRunner:
     ) -> AttentionMetadata:
         dev = self.device
         return AttentionMetadata(
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=to_device(block_tables, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=query_start,
             max_query_len=max_query_len,
@@ -349,14 +351,14 @@ class ModelRunner:
 
         dev = self.device
         attn = self._group_metadata(scheduled, seq_lens, query_start, max(n for _, n in scheduled))
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = to_device(input_ids, torch.int64, dev)
         if carried is not None:  # a decode row's one token is the last of its row
             rows = [(query_start[i + 1] - 1, src) for i, src in carried.rows]
-            dst, src = torch.tensor(rows, dtype=torch.int64, device=dev).unbind(1)
+            dst, src = to_device(rows, torch.int64, dev).unbind(1)
             CarriedTokens(carried.tokens, rows).scatter(ids, dst, src)
         hidden = self.model(
             ids,
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            to_device(positions, torch.int64, dev),
             attn,
             self.kv_caches,
         )
