@@ -183,13 +183,14 @@ def make_engine(model: str, **settings) -> EngineCore:
 
 
 class Run:
-    """Requests run to completion; the time of every request's first and last token."""
+    """Requests run to completion; the time of every request's first and last token. The tag salts
+    the prompts: a run never hits the prefix cache another run left (each mode computes its prompts)."""
 
     def __init__(self, core: EngineCore, prompts: list[list[int]], samplings: list[SamplingParams], tag: str):
         self.ids = [f"{tag}{i}" for i in range(len(prompts))]
         t0 = time.perf_counter()
         for rid, prompt, sampling in zip(self.ids, prompts, samplings):
-            core.add_request(GenerateRequest(rid, prompt, sampling))
+            core.add_request(GenerateRequest(rid, prompt, sampling, salt=tag))
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {rid: [] for rid in self.ids}

@@ -6,8 +6,8 @@ one engine (Llama-3-8B shape, dummy bf16 weights, overlapped scheduling), the sc
 ``run`` 0 starts the budget from scratch, ``run`` 1 with the fit the first one left. Each prints one
 JSON line: the prompts' TTFT (from their arrival), and over the interval from their arrival to the
 last one's first token the decoders' tokens ("decode rounds"), their longest gap between tokens and
-the steps the engine ran; then the budget and its fit. The peer of each target is target 0, in the
-same run.
+the steps the engine ran; then the budget, its fit and the eager steps' (tokens, ms) it was fed.
+The peer of each target is target 0, in the same run.
 
     python3 benchmarks/mixed_prefill.py [--targets 0,50,250] [--model llama3-8b]
 """
@@ -83,6 +83,20 @@ def scenario(core: EngineCore, tag: str, rng: random.Random) -> dict:
     )
 
 
+def record_eager_samples(budget: MixedPrefillBudget) -> list[tuple[int, float]]:
+    """From now on, the (tokens, ms) of each eager step ``budget`` observes."""
+    samples: list[tuple[int, float]] = []
+    observe = MixedPrefillBudget.observe.__get__(budget)
+
+    def recorded(tokens: int, elapsed_s: float, graphed: bool) -> None:
+        if not graphed:
+            samples.append((tokens, round(elapsed_s * 1e3, 2)))
+        observe(tokens, elapsed_s, graphed)
+
+    budget.observe = recorded
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="0,50,250", help="comma-separated step latency targets, ms (0: off)")
@@ -100,13 +114,15 @@ def main() -> None:
         budget = MixedPrefillBudget(target / 1e3, STEP_BUDGET) if target else None
         core.scheduler.mixed_budget = budget
         for run in range(2):
+            samples = record_eager_samples(budget) if budget is not None else []
             result = scenario(core, f"t{target:g}r{run}", rng)
             line = budget.eager.line() if budget else None
             emit(bench="mixed_prefill", model=args.model, target_ms=target, run=run, prompts=f"2 x {PROMPT_LEN}",
                  decoders=2, async_scheduling=core.async_scheduling, **result,
                  budget=budget.budget if budget else STEP_BUDGET,
                  fit_fixed_ms=round(line.fixed_s * 1e3, 3) if line else None,
-                 fit_per_token_us=round(line.per_token_s * 1e6, 3) if line else None)
+                 fit_per_token_us=round(line.per_token_s * 1e6, 3) if line else None,
+                 eager_samples_tokens_ms=samples)
 
 
 if __name__ == "__main__":
