@@ -62,7 +62,7 @@ def fake_seqs(core: EngineCore, batch: int, context: int) -> list[SimpleNamespac
     return [
         SimpleNamespace(
             num_computed_tokens=context - 1, all_token_ids=[7] * context,
-            block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+            block_ids=list(range(i * per_seq, (i + 1) * per_seq)), group_block_ids=[],
         )
         for i in range(batch)
     ]

@@ -9,7 +9,7 @@ last one's first token the decoders' tokens ("decode rounds"), their longest gap
 the steps the engine ran; then the budget, its fit and the eager steps' (tokens, ms) it was fed.
 The peer of each target is target 0, in the same run.
 
-    python3 benchmarks/mixed_prefill.py [--targets 0,50,250] [--model llama3-8b]
+    python3 benchmarks/mixed_prefill.py [--targets 0,50,100,250] [--model llama3-8b]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def record_eager_samples(budget: MixedPrefillBudget) -> list[tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", default="0,50,250", help="comma-separated step latency targets, ms (0: off)")
+    parser.add_argument("--targets", default="0,50,100,250", help="comma-separated step latency targets, ms (0: off)")
     parser.add_argument("--model", default="llama3-8b", help="dummy shape (default: llama3-8b)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

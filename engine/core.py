@@ -119,9 +119,7 @@ class EngineCore:
             mixed_budget=MixedPrefillBudget(target_ms / 1e3, config.max_num_batched_tokens) if target_ms else None,
         )
         self.async_scheduling = config.resolved_async_scheduling
-        # Step N while N+1 is planned: its plan, its launch and when that began.
-        self._in_flight: tuple[list[ScheduledSeq], LaunchedStep, float] | None = None
-        self._resolved_at = 0.0  # when the last step's tokens reached the host
+        self._in_flight: tuple[list[ScheduledSeq], LaunchedStep] | None = None  # step N, while N+1 is planned
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
@@ -286,21 +284,20 @@ class EngineCore:
             self.scheduler.advance(scheduled)
             self._copy_blocks()  # new entries, queued after this step's KV is written
             if self.async_scheduling and not any(map(_needs_host_tokens, launched.seqs)) and self.proposer is None:
-                self._in_flight = (scheduled, launched, t0)
+                self._in_flight = (scheduled, launched)
             else:
-                frames += self._record(scheduled, launched, t0)
+                frames += self._record(scheduled, launched)
             self.counters.steps += 1
             self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         self.counters.busy_seconds += time.perf_counter() - t0
         return frames
 
-    def _record(self, scheduled: list[ScheduledSeq], launched: LaunchedStep, launched_at: float) -> list[OutputFrame]:
+    def _record(self, scheduled: list[ScheduledSeq], launched: LaunchedStep) -> list[OutputFrame]:
         """Wait for a step's tokens, have the scheduler record them, and turn them into frames."""
         sampled = launched.resolve()
-        now = time.perf_counter()
-        # The device ran the step from its launch or the end of the one before, whichever came later.
-        self._observe(scheduled, launched, now - max(launched_at, self._resolved_at))
-        self._resolved_at = now
+        budget, seconds = self.scheduler.mixed_budget, launched.seconds()
+        if budget is not None and seconds is not None:
+            budget.observe(sum(n for _, n in scheduled), seconds, launched.graphed)
         outputs = self.scheduler.record(scheduled, sampled)
         self._copy_blocks()  # entries of finished sequences' last pages
         frames = [self._frame(seq) for seq in outputs]
@@ -308,11 +305,6 @@ class EngineCore:
             if seq.finish_reason is not None:
                 self._retire(seq.request_id)
         return frames
-
-    def _observe(self, scheduled: list[ScheduledSeq], launched: LaunchedStep, elapsed_s: float) -> None:
-        budget = self.scheduler.mixed_budget
-        if budget is not None:
-            budget.observe(sum(n for _, n in scheduled), elapsed_s, launched.graphed)
 
     def take_queue_times(self) -> list[float]:
         """Each request's wait from arrival to the first step that ran it, since the last call."""

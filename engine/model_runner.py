@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -46,31 +47,63 @@ class HostTokens(NamedTuple):
     copied: torch.cuda.Event
 
 
+class StepClock:
+    """How long a step held the device: on CUDA, events around its work (the stream's time from the
+    end of the step before, or the step's first kernel if later, to its last: host time the stream
+    waits for a launch counts, the step being that slow); on the CPU, which computes as it launches,
+    the launch's wall time. Read once the step is done."""
+
+    def __init__(self, device: torch.device):
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if device.type == "cuda" else None
+        if self._events is not None:
+            self._events[0].record()
+        self._wall = [time.perf_counter()]
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._wall.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._wall[1] - self._wall[0]
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
 class LaunchedStep:
     """A step queued on the device (:meth:`ModelRunner.launch`): the sequences that sampled, their
     tokens on the device (``tokens``, which the next step may read) and on their way to the host.
     :meth:`resolve` waits for them there."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, logprobs: list[TokenLogprob | None],
-                 graphed: bool, host: HostTokens | None = None):
+                 graphed: bool, host: HostTokens | None = None, clock: StepClock | None = None):
         self.seqs = seqs
         self.tokens = tokens
         self.graphed = graphed  # replayed from a CUDA graph
         self.rows = {seq.key: i for i, seq in enumerate(seqs)}
         self._logprobs = logprobs
         self._host = host
+        self._clock = clock
         self._sampled: list[SampledToken] | None = None
         if tokens is not None and host is not None:
             host.buffer[: len(seqs)].copy_(tokens, non_blocking=True)
             host.copied.record()
+        if clock is not None:
+            clock.stop()
 
     @classmethod
-    def on_host(cls, sampled: list[SampledToken], graphed: bool) -> LaunchedStep:
+    def on_host(cls, sampled: list[SampledToken], graphed: bool, clock: StepClock | None = None) -> LaunchedStep:
         """A step whose tokens are already on the host (verified drafts, or no token): it feeds no
         next step from the device."""
-        step = cls([], None, [], graphed)
+        step = cls([], None, [], graphed, clock=clock)
         step._sampled = sampled
         return step
+
+    def seconds(self) -> float | None:
+        """How long the step held the device (:class:`StepClock`), once resolved; None if unclocked."""
+        return None if self._clock is None else self._clock.seconds()
 
     def resolve(self) -> list[SampledToken]:
         """The step's tokens, once on the host (waits for the device the first time)."""
@@ -224,13 +257,14 @@ class ModelRunner:
         pending (``num_pending_tokens``: overlapped scheduling) reads it from ``previous``'s tokens on
         the device. The prefill chunks of sequences that need prompt logprobs get them here (eagerly,
         never in a graph)."""
+        clock = StepClock(self.device)
         if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
             seqs = [seq for seq, _ in scheduled]
             q = self.verify_graphs.query_len
             logits = self.verify_graphs.run(seqs).logits
             rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
             rows = to_device(rows, torch.int64, self.device)
-            return LaunchedStep.on_host(self._verified(logits[rows], seqs), True)
+            return LaunchedStep.on_host(self._verified(logits[rows], seqs), True, clock)
         carried = _carried(scheduled, previous)
         graphs = self.decode_graphs
         prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
@@ -240,26 +274,27 @@ class ModelRunner:
             logits, greedy = graphs.run([seq for seq, _ in scheduled], carried)
             sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
             if not sample_rows:
-                return LaunchedStep.on_host([], graphed)
+                return LaunchedStep.on_host([], graphed, clock)
             sampling_seqs = [scheduled[i].seq for i in sample_rows]
             if len(sample_rows) < logits.shape[0]:
                 rows = to_device(sample_rows, torch.int64, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer (no grammar)
-                return LaunchedStep(sampling_seqs, greedy, [None] * len(sampling_seqs), graphed, self._host_tokens())
+                return LaunchedStep(sampling_seqs, greedy, [None] * len(sampling_seqs), graphed, self._host_tokens(),
+                                    clock)
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled, carried)
             if prompt_logprobs:
                 collect_prompt_logprobs(self.model.compute_logits, hidden, scheduled)
             if not sample_rows:
-                return LaunchedStep.on_host([], graphed)
+                return LaunchedStep.on_host([], graphed, clock)
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
             logits = self.model.compute_logits(hidden)
             if any(seq.draft_ids for seq in sampling_seqs):
-                return LaunchedStep.on_host(self._verified(logits, sampling_seqs), graphed)
+                return LaunchedStep.on_host(self._verified(logits, sampling_seqs), graphed, clock)
         tokens, logprobs = self.sampler.sample(logits, sampling_seqs)
-        return LaunchedStep(sampling_seqs, tokens, logprobs, graphed, self._host_tokens())
+        return LaunchedStep(sampling_seqs, tokens, logprobs, graphed, self._host_tokens(), clock)
 
     def _host_tokens(self) -> HostTokens | None:
         """The pinned buffer and event a step's tokens come back through (CUDA; two in turn: one

@@ -92,3 +92,22 @@ def test_scheduler_holds_a_prompt_beside_decodes_to_the_budget():
     scheduler.update([(decoding, 1), (long, 64)], [])
     decoding.append_token(8)
     assert [(s.request_id, n) for s, n in scheduler.schedule().scheduled] == [("decoding", 1), ("long", 200)]
+
+
+def test_the_core_feeds_the_budget_its_steps_and_reports_it(tiny):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.protocol import GenerateRequest
+
+    model, config = tiny
+    settings = EngineConfig(model="tiny", max_num_batched_tokens=64, num_kv_blocks=128, block_size=4,
+                            mixed_prefill_step_latency_ms=1000.0)
+    core = EngineCore.from_model(settings, model, config)
+    assert core.stats().mixed_prefill_budget == BUDGET_QUANTUM // 4 == 64  # a quantum, capped at the step budget
+    core.add_request(GenerateRequest("a", list(range(10, 20)), SamplingParams(max_tokens=4, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    assert core.scheduler.mixed_budget.eager.num_samples == 4  # the prefill and 3 decodes, all eager on the CPU
+    assert core.stats().mixed_prefill_budget == core.scheduler.mixed_budget.budget
+    off = EngineCore.from_model(EngineConfig(model="tiny", num_kv_blocks=128), model, config)
+    assert off.scheduler.mixed_budget is None and off.stats().mixed_prefill_budget == off.config.max_num_batched_tokens
