@@ -309,8 +309,6 @@ QUANTIZATIONS = ("none", "fp8")
 CPU_KV_CACHE_GB = 1.0
 # Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
 CPU_PREFILL_PACK_TOKENS = 256
-# A step that prefills beside running decodes aims at this latency on CUDA (engine.mixed_budget).
-CUDA_MIXED_PREFILL_STEP_LATENCY_MS = 50.0
 
 
 def default_served_name(model: str, load_format: str) -> str:
@@ -361,11 +359,11 @@ class EngineConfig:
         None, "a step admits another waiting prompt only while it holds fewer prompt tokens than this (default: "
               f"{CPU_PREFILL_PACK_TOKENS} on the CPU, where a long prompt sharing a step only delays the other's "
               "first token; the whole budget on CUDA, where batched prefill is faster per token)")
-    mixed_prefill_step_latency_ms: float | None = _flag(
-        None, "a step that prefills beside running decodes holds the prompt tokens that a fit of the step's "
-              "cost (fixed + per token) says fit this latency, and never fewer than cost as much as the fixed "
-              f"part; 0 = off: the whole token budget (default: 0 on the CPU, {CUDA_MIXED_PREFILL_STEP_LATENCY_MS:g} "
-              "on CUDA)", metavar="MS")
+    mixed_prefill_step_latency_ms: float = _flag(
+        0.0, "a step that prefills beside running decodes holds the prompt tokens that a fit of the step's "
+             "cost (fixed + per token) says fit this latency, and never fewer than cost as much as the fixed "
+             "part; 0 = off: the whole token budget (off by default: an eager step's fixed cost is still mostly "
+             "host time, so a target trades throughput for the decoders' latency)", metavar="MS")
     async_scheduling: bool | None = _flag(
         None, "plan step N+1 on the host while step N runs on the device, N's sampled tokens feeding N+1 "
               "without a round trip; steps with structured output, penalties, min_tokens or speculation "
@@ -440,7 +438,7 @@ class EngineConfig:
         if not 0 < self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 0 < ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
                              f"ngram_max={self.ngram_max}")
-        if self.mixed_prefill_step_latency_ms is not None and not 0 <= self.mixed_prefill_step_latency_ms < 1e6:
+        if not 0 <= self.mixed_prefill_step_latency_ms < 1e6:
             raise ValueError(f"mixed_prefill_step_latency_ms must be in [0, 1e6), got "
                              f"{self.mixed_prefill_step_latency_ms}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -472,12 +470,6 @@ class EngineConfig:
         if self.prefill_pack_tokens is not None:
             return self.prefill_pack_tokens
         return CPU_PREFILL_PACK_TOKENS if self.device == "cpu" else self.max_num_batched_tokens
-
-    @property
-    def resolved_mixed_prefill_step_latency_ms(self) -> float:
-        if self.mixed_prefill_step_latency_ms is not None:
-            return self.mixed_prefill_step_latency_ms
-        return 0.0 if self.device == "cpu" else CUDA_MIXED_PREFILL_STEP_LATENCY_MS
 
     @property
     def resolved_async_scheduling(self) -> bool:

@@ -112,7 +112,7 @@ class EngineCore:
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
         )
-        target_ms = config.resolved_mixed_prefill_step_latency_ms
+        target_ms = config.mixed_prefill_step_latency_ms
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
             eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len, proposer=self.proposer,
