@@ -41,7 +41,7 @@ from engine.protocol import (
     StructuredOutput,
 )
 from engine.request import Sequence, Status
-from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.spec_decode import NgramProposer
 from engine.structured import NO_VOCABULARY, Grammars, new_matcher
 from kernels import load_ops
@@ -82,7 +82,6 @@ class Runner(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
     def profile_memory(self, num_tokens: int, gpu_memory_utilization: float) -> MemoryProfile: ...
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]: ...
     def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None) -> LaunchedStep: ...
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
