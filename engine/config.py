@@ -40,11 +40,18 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: whole dimensions at the ramp's ends
+    # llama3 as llama.cpp stores it (a GGUF's rope_freqs.weight): each inverse frequency divided
+    # by its factor, in place of the settings above
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES[1:]:
             raise ValueError(f"RoPE type {self.rope_type!r} is not supported (expected one of {ROPE_TYPES})")
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if self.freq_factors is not None:
+            if self.rope_type != "llama3":
+                raise ValueError(f"freq_factors are a llama3 RoPE's, not a {self.rope_type!r} one's")
+            object.__setattr__(self, "freq_factors", tuple(map(float, self.freq_factors)))  # hashable
+        elif self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"RoPE type {self.rope_type!r} needs original_max_position_embeddings")
 
     @classmethod
@@ -55,7 +62,7 @@ class RopeScaling:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (expected one of {ROPE_TYPES})")
         if rope_type == "default":
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"freq_factors"}  # a GGUF's, never HF's
         unknown = sorted(set(rope) - known - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
         if unknown:
             raise ValueError(f"RoPE setting {unknown[0]!r} of type {rope_type!r} is not supported")
