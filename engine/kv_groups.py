@@ -138,7 +138,9 @@ class HybridKVCacheManager(BlockPool):
             return empty
         hashes = seq.update_block_hashes(self.block_size)[: (seq.num_tokens - 1) // self.block_size]
         found = [[self._find(g, h) for h in hashes] for g in range(len(self.windows))]
-        for num_hit in range(len(hashes), -1, -1):
+        # a full-attention group 0 bounds the hit by its leading run of cached blocks
+        longest = found[0].index(None) if not self.windows[0] and None in found[0] else len(hashes)
+        for num_hit in range(longest, -1, -1):
             entry, num_shared = self._entry_hit(seq, num_hit)
             position = num_hit * self.block_size
             for resume, with_entry in ((position + num_shared, entry), (position, None)):

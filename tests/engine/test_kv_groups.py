@@ -321,18 +321,20 @@ def test_mid_prompt_edit_resumes_where_every_group_can(gemma_tiny):
 
 
 def test_soak_integrity_after_every_step_with_preemption(gemma_tiny):
-    """Shared prefixes, edits, n > 1 and a pool small enough to preempt: integrity holds after
-    every step and every run matches its own output alone on an ample pool."""
+    """Shared prefixes, edits, n > 1, cache boundaries at the shared prefixes' ends and a pool
+    small enough to preempt: integrity holds after every step and every run matches its own
+    output alone on an ample pool."""
     rng = random.Random(3)
     base = [rng.randrange(2, 512) for _ in range(400)]
-    prompts = {}
+    prompts, boundaries = {}, {}
     for i in range(12):
         cut = rng.randrange(50, 400)
         prompts[f"s{i}"] = base[:cut] + [rng.randrange(2, 512) for _ in range(rng.randrange(1, 200))]
+        boundaries[f"s{i}"] = [cut]
     small = engine(gemma_tiny, num_kv_blocks=140, max_num_batched_tokens=128)
-    together = run(small, prompts, max_tokens=20)
+    together = run(small, prompts, max_tokens=20, boundaries=boundaries)
     assert small.scheduler.num_preemptions > 0
-    assert small.check_integrity().used == 0
+    assert small.check_integrity().used == 0 and len(small.kv.entries) > 0
     alone = engine(gemma_tiny, enable_prefix_caching=False)
     for rid in list(prompts)[:4]:
         assert together[rid][0] == run(alone, {rid: prompts[rid]}, max_tokens=20)[rid][0]

@@ -241,12 +241,14 @@ def test_next_turn_loads_the_evicted_conversation_from_host_memory(smollm2_core,
 
 
 @pytest.mark.slow
-def test_soak_with_aborts_and_preemption_keeps_both_pools_whole(smollm2_core):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_soak_with_aborts_and_preemption_keeps_both_pools_whole(smollm2_core, async_scheduling):
     """Many short conversations over a pool too small for them, with aborts mid-prefill and
-    mid-decode and preemptions; both pools are checked after every step, and every turn that got
-    a host hit answers as a cold engine does."""
+    mid-decode and preemptions, in the synchronous and the overlapped loop; both pools are checked
+    after every step, and every turn that got a host hit answers as a cold engine does."""
     rng = random.Random(1)
-    core = smollm2_core(num_kv_blocks=12, host_kv_cache_gib=0.025, max_num_batched_tokens=32)
+    core = smollm2_core(num_kv_blocks=12, host_kv_cache_gib=0.025, max_num_batched_tokens=32,
+                        async_scheduling=async_scheduling)
     assert core.kv.host.num_slots < 40  # the host tier evicts too
     histories = {c: [rng.randrange(300, 12000) for _ in range(rng.randrange(20, 60))] for c in range(6)}
     answers: dict[str, tuple[list[int], list[int], int]] = {}
