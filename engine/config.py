@@ -435,6 +435,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not (math.isfinite(self.host_kv_cache_gib) and self.host_kv_cache_gib >= 0):
             raise ValueError(f"host_kv_cache_gib must be a non-negative number of GiB, got {self.host_kv_cache_gib}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib needs prefix caching: the host tier serves prefix hits")
         if self.host_kv_cache_gib and self.tensor_parallel_size > 1:
             raise ValueError("host_kv_cache_gib is not supported with tensor_parallel_size > 1 yet")
         if not 0 < self.gpu_memory_utilization <= 1:

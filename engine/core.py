@@ -106,7 +106,7 @@ class EngineCore:
         record_events = config.index_url is not None
         per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
         host = None
-        if config.host_kv_cache_gib and config.enable_prefix_caching:
+        if config.host_kv_cache_gib:
             num_slots = HostKVStore.slots_for(config.host_kv_cache_gib, per_block)
             if num_slots == 0:
                 raise ValueError(f"host_kv_cache_gib {config.host_kv_cache_gib} holds no KV block of "
