@@ -548,24 +548,25 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
 
 # Llama-3-8B layers whose weights are rotated from call to call: 4 x 218 MB of fp8 never stay in L2.
 FP8_LAYERS = 4
-FP8_BATCH_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-FP8_SWEEP = [(16, 256, 4, 4), (32, 128, 4, 6), (32, 512, 4, 3), (64, 256, 4, 3), (64, 128, 4, 4)]
+FP8_GEMV_SWEEP = [(4, 1024, 4, 3), (4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 512, 4, 3),
+                  (16, 1024, 8, 3)]
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
 
 def bench_fp8(bandwidth: float, sweep: bool) -> None:
     """fp8 weights (per-channel scales) against bf16 at Llama-3-8B shapes, under CUDA graphs over
-    rotated layers: batch 1 per projection (fp8: the fused Triton kernel; bf16: the GEMV), as a
-    layer's chain and for the LM head; then a layer's four projections at growing batches by
-    each fp8 path (the Triton kernel, torch._scaled_mm; both after the rows' quantization)
-    against bf16 (GEMV or cuBLAS), which sets the crossover; then prefill batches (do_bench)."""
+    rotated layers: the batch-1 GEMV per projection, as a layer's chain and for the LM head;
+    then a layer's four projections at growing batches by each fp8 path (the GEMV; the rows'
+    quantization and torch._scaled_mm) against bf16 (GEMV or cuBLAS), which sets the crossover;
+    then prefill batches (do_bench, TFLOP/s)."""
     hidden, qkv_width, q_width, inter = GEMV_SHAPES["llama3-8b"]
     bf16 = [LayerWeights.random(hidden, qkv_width, q_width, inter) for _ in range(FP8_LAYERS)]
     fp8 = [{name: quantize_weight(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")} for w in bf16]
     _fp8_decode(bf16, fp8, bandwidth, sweep)
-    _fp8_batches(bf16, fp8, sweep)
+    _fp8_batches(bf16, fp8)
     _fp8_prefill(bf16[0], fp8[0])
 
 
@@ -594,17 +595,19 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
         roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
         bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
         fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
-        block_m_64_us = graph_us_per_call(patched("_MIN_BLOCK_M", 64, fp8_fn), layers, FP8_REPLAYS)
-        fields = {"fp8_block_m_64_us": round(block_m_64_us, 2)}
-        emit(bench="fp8_decode", shape="llama3-8b", proj=name, rows=1, tiles=list(fp8_ops.FP8_TILES),
+        fields = {}
+        if name in ("qkv", "gate_up"):
+            fields["fp8_two_pass_norm_us"] = round(
+                graph_us_per_call(patched("FP8_NORM_IN_EPILOGUE", False, fp8_fn), layers, FP8_REPLAYS), 2)
+        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1, tiles=list(gemv.GEMV_TILES),
              bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
              fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3), **fields,
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
-            for alt in FP8_SWEEP:
-                tiles = fp8_ops.Fp8Tiles(*alt)
-                alt_us = graph_us_per_call(patched("FP8_TILES", tiles, fp8_fn), layers, FP8_REPLAYS)
-                emit(bench="fp8_decode_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
+            for alt in FP8_GEMV_SWEEP:
+                tiles = gemv.GemvTiles(*alt)
+                alt_us = graph_us_per_call(patched("GEMV_TILES", tiles, fp8_fn), layers, FP8_REPLAYS)
+                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
 
     def chain(kind: int):
@@ -615,7 +618,7 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
 
     bf16_us, fp8_us = (graph_us_per_call(chain(kind), layers, FP8_REPLAYS) for kind in (0, 1))
     roofline_us = sum(w.numel() for w in fp8[0].values() for w in w[:1]) / bandwidth * 1e6
-    emit(bench="fp8_decode_layer_chain", shape="llama3-8b", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
+    emit(bench="fp8_gemv_layer_chain", shape="llama3-8b", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
          fp8_roofline_us=round(roofline_us, 2), fp8_of_roofline=round(roofline_us / fp8_us, 3),
          speedup=round(bf16_us / fp8_us, 3))
     head = torch.randn(LM_HEAD_ROWS, HIDDEN, dtype=DTYPE, device="cuda") / math.sqrt(HIDDEN)
@@ -623,11 +626,11 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
     x = torch.randn(1, HIDDEN, dtype=DTYPE, device="cuda")
     bf16_us = graph_us_per_call(lambda: triton_ops.linear(x, head), replays=FP8_REPLAYS)
     fp8_us = graph_us_per_call(lambda: triton_ops.linear(x, *head_fp8), replays=FP8_REPLAYS)
-    emit(bench="fp8_decode_lm_head", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
+    emit(bench="fp8_gemv_lm_head", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
          bf16_roofline_us=round(head.numel() * ELEMENT / bandwidth * 1e6, 2), speedup=round(bf16_us / fp8_us, 3))
 
 
-def _fp8_batches(bf16, fp8, sweep: bool) -> None:
+def _fp8_batches(bf16, fp8) -> None:
     """A layer's four plain projections (x of the right width) per batch size and path."""
     layers = len(bf16)
     names = ("qkv", "o", "gate_up", "down")
@@ -643,20 +646,14 @@ def _fp8_batches(bf16, fp8, sweep: bool) -> None:
         paths = {
             "bf16": lambda x, w, wf, s: triton_ops.linear(x, w),
             "fp8_default": lambda x, w, wf, s: triton_ops.linear(x, wf, s),
-            "fp8_triton": lambda x, w, wf, s: fp8_ops._launch(
-                *fp8_ops.quantize_rows(x), wf, s, wf.shape[0], x.dtype, None, None, 0.0, False),
-            "fp8_scaled_mm": lambda x, w, wf, s: patched("FP8_TRITON_MAX_ROWS", 0, triton_ops.linear)(x, wf, s),
+            "fp8_scaled_mm": lambda x, w, wf, s: fp8_ops.scaled_linear(x, wf, s),
             "quantize_only": lambda x, w, wf, s: fp8_ops.quantize_rows(x),
         }
+        if rows <= 4:
+            paths["fp8_gemv"] = lambda x, w, wf, s: gemv._launch_gemv(x, wf, s, wf.shape[0])
         us = {k: round(graph_us_per_call(layer(p), layers, FP8_REPLAYS), 2) for k, p in paths.items()}
         emit(bench="fp8_layer_linears", shape="llama3-8b", rows=rows, **{f"{k}_us": v for k, v in us.items()},
              fp8_default_speedup=round(us["bf16"] / us["fp8_default"], 3))
-        if sweep and rows in (16, 64):
-            for alt in FP8_SWEEP:
-                tiles = fp8_ops.Fp8Tiles(*alt)
-                alt_us = graph_us_per_call(patched("FP8_TILES", tiles, layer(paths["fp8_triton"])), layers,
-                                           FP8_REPLAYS)
-                emit(bench="fp8_triton_sweep", rows=rows, tiles=list(tiles), fp8_triton_us=round(alt_us, 2))
 
 
 def _fp8_prefill(bf16: LayerWeights, fp8: dict) -> None:

@@ -1,7 +1,6 @@
-"""linear and norm_linear with fp8 weights (per-channel scales, per-row activation scales): the
-Triton ops (one row fused into one launch; decode batches quantized, then the Triton kernel;
-larger ones through torch._scaled_mm) against the reference, and the reference against the
-unquantized product."""
+"""linear and norm_linear with fp8 weights (per-channel scales): the Triton ops (one row by the
+GEMV, activations unquantized; more rows quantized, then torch._scaled_mm) against the
+reference, and the reference against the unquantized product."""
 
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from engine.models.fp8 import quantize_weight
 from kernels import reference, triton_ops
 from kernels.triton_ops import fp8
 
-# one row (fused), a decode batch (Triton kernel), past FP8_TRITON_MAX_ROWS (torch._scaled_mm)
-FP8_ROWS = [1, 3, 20, 70]
+# one row (the GEMV), batches (torch._scaled_mm)
+FP8_ROWS = [1, 3, 20]
 
 
 def fp8_inputs(rows, n_out, k_in, dtype, gated=False, device="cpu"):
@@ -62,6 +61,15 @@ def test_fp8_norm_linear(ops, dtype, rows, gated, with_residual):
     # fp8 value, one E4M3 step (at most 2^-3 of it) of one product term (|x w| < 1 here).
     atol = 2**-3 if dtype == torch.bfloat16 else 4 * ULP[dtype]
     assert_close(out, expected, rtol=(8 if gated else 4) * ULP[dtype], atol=atol)
+
+
+def test_one_row_leaves_the_activations_unquantized(ops):
+    x, _, _, _, weight, scale = fp8_inputs(2, 40, 72, torch.float32)
+    one_row = reference.linear(x[:1], weight, scale)
+    # row 0 holds 40.0 and -1e-4: quantized over its scale, -1e-4 would underflow to 0
+    assert torch.equal(one_row, torch.nn.functional.linear(x[:1], weight.float()) * scale)
+    assert not torch.equal(one_row, reference.linear(x, weight, scale)[:1])
+    assert_close(ops.linear(x[:1], weight, scale), one_row, rtol=2 * ULP[torch.float32], atol=ULP[torch.float32])
 
 
 def test_fp8_reference_is_close_to_the_unquantized_product():
