@@ -92,11 +92,13 @@ class EngineCore:
             raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
         record_events = config.index_url is not None
         # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
+        # an entry holds a page in every group: the fraction of the pool bounds their blocks
+        max_entries = int(num_blocks * config.max_entries_fraction) // len(layout.group_windows)
         self.kv: KVCacheManager | HybridKVCacheManager = (
-            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events)
+            HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events,
+                                 max_entries)
             if layout.hybrid else
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events=record_events,
-                           max_entries=int(num_blocks * config.max_entries_fraction))
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events, max_entries)
         )
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
@@ -110,19 +112,23 @@ class EngineCore:
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
+        # KV bytes by group for a context of max_model_len tokens: a window group holds its window only
         per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
-        # a token of context takes a page slot in every layer group
-        self.kv_tokens_per_gib = 2**30 * config.block_size // (per_block * len(layout.group_windows))
+        self.kv_group_windows = layout.group_windows
+        group_blocks = layout.group_blocks(self.max_model_len, config.block_size)
+        self.kv_bytes_per_token_by_group = [round(n * per_block / self.max_model_len) for n in group_blocks]
+        self.kv_tokens_per_gib = 2**30 * self.max_model_len // (sum(group_blocks) * per_block)
         log.info(
             "kv_cache_ready",
             num_blocks=num_blocks,
             block_size=config.block_size,
-            kv_tokens=num_blocks * config.block_size,
+            kv_tokens=num_blocks * self.max_model_len // sum(group_blocks),  # of max_model_len-long contexts
             kv_gib=round(num_blocks * per_block / 2**30, 3),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_tokens_per_gib=self.kv_tokens_per_gib,
+            kv_bytes_per_token_by_group=self.kv_bytes_per_token_by_group,
             max_model_len=self.max_model_len,
-            kv_group_windows=list(layout.group_windows),  # a page holds a block of one group's layers
+            kv_group_windows=list(self.kv_group_windows),  # a page holds a block of one group's layers
         )
 
     @classmethod
@@ -178,7 +184,7 @@ class EngineCore:
             kv_budget_gib=round(profile.kv_budget / gib, 2),
         )
         num_blocks = profile.kv_budget // per_block
-        if num_blocks * config.block_size < self.max_model_len:
+        if num_blocks < sum(kv_layout(self.model_config).group_blocks(self.max_model_len, config.block_size)):
             raise ValueError(
                 f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
                 f"{max(profile.kv_budget, 0) / gib:.2f} GiB for the KV cache, less than one "
@@ -355,6 +361,8 @@ class EngineCore:
             total_computed_tokens=self.counters.computed_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_tokens_per_gib=self.kv_tokens_per_gib,
+            kv_group_windows=list(self.kv_group_windows),
+            kv_bytes_per_token_by_group=self.kv_bytes_per_token_by_group,
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

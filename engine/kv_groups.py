@@ -17,24 +17,22 @@ Prefix caching: every group caches its full blocks under the sequence's chained 
 group in its own map. A prefix hit at ``P`` needs the full-attention blocks ``[0, P)`` and, in every
 window group, the blocks covering ``[P - W, P)``: the longest such ``P`` is taken. KV events (and
 :meth:`snapshot`) cover group 0's blocks, per block as for a single group. Exact-position entries
-are not kept for a hybrid pool (every prefix resumes at a block boundary).
+(see ``engine.kv_cache``) hold the partial page of every group, so a hit at ``P`` inside a page
+takes an entry's pages plus the same full blocks ``P`` needs; their cap counts entries, each
+``num_groups`` blocks.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
-from collections.abc import Iterable
 from typing import NamedTuple
 
 from engine.config import ModelConfig
-from engine.kv_cache import BlockCounts, IntegrityError, PositionEntries
+from engine.kv_cache import FREED, BlockPool, IntegrityError, PositionEntry, group_tables
 from engine.request import Sequence
-from prefix_index.events import BlockRemoved, BlockStored, KVEvent
+from prefix_index.events import BlockStored
 from prefix_index.hashing import BlockHash
-
-FREED = -1  # a window group's table entry whose block went back to the pool
 
 
 class KVLayout(NamedTuple):
@@ -48,6 +46,12 @@ class KVLayout(NamedTuple):
     @property
     def hybrid(self) -> bool:
         return any(self.group_windows)
+
+    def group_blocks(self, num_tokens: int, block_size: int) -> list[int]:
+        """Pages of each group one sequence of ``num_tokens`` tokens holds at its end: a window
+        group's cover its window and the block being filled."""
+        full = -(-num_tokens // block_size)
+        return [full if not w else min(full, -(-w // block_size) + 1) for w in self.group_windows]
 
 
 @functools.cache
@@ -71,62 +75,35 @@ def kv_layout(config: ModelConfig) -> KVLayout:
     return KVLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
-def group_tables(seq: Sequence) -> list[list[int]]:
-    """``seq``'s block table of every group (group 0's is ``seq.block_ids``)."""
-    return [seq.block_ids, *seq.group_block_ids]
-
-
 class HybridPrefixMatch(NamedTuple):
-    """Cached blocks of every group serving ``num_tokens`` prompt tokens (FREED before a window)."""
+    """Cached blocks of every group (FREED before a window), then possibly an entry whose pages
+    serve the tokens from ``len(tables[0]) * block_size`` to ``num_tokens``."""
 
     tables: list[list[int]]
+    entry: PositionEntry | None
     num_tokens: int
 
 
-class HybridKVCacheManager:
-    """The KVCacheManager contract (see ``engine.kv_cache``) over layer groups; no exact-position
-    entries (``entries`` stays empty, ``take_block_copies`` has none). Not thread-safe except
-    :meth:`snapshot`."""
+class HybridKVCacheManager(BlockPool):
+    """The KVCacheManager contract (see ``engine.kv_cache``) over layer groups. Not thread-safe
+    except :meth:`snapshot`."""
 
     def __init__(
         self, num_blocks: int, block_size: int, layout: KVLayout, enable_prefix_caching: bool = True,
-        record_events: bool = False,
+        record_events: bool = False, max_entries: int | None = None,
     ):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        super().__init__(num_blocks, block_size, enable_prefix_caching, record_events, max_entries,
+                         num_groups=len(layout.group_windows))
+        self.layout = layout
         self.windows = layout.group_windows
-        self.enable_prefix_caching = enable_prefix_caching
-        self.record_events = record_events
-        self.ref_cnt = [0] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_group: list[int] = [0] * num_blocks  # the group whose map holds the block's hash
         self.cached: list[dict[BlockHash, int]] = [{} for _ in self.windows]
-        self.parent_of: dict[BlockHash, BlockHash | None] = {}  # group 0's cached blocks
-        self.entries = PositionEntries(0)
-        self._events: list[KVEvent] = []
-        self._removed: list[BlockHash] = []
-        self._registered: dict[tuple[str, int], int] = {}  # sequence key -> blocks hashed so far
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     # --- queries -------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
-
     @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable prefix (in use or evictable), in every group."""
         return sum(len(cached) for cached in self.cached)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self.free_queue) / self.num_blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -138,29 +115,39 @@ class HybridKVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks of every group one sequence of ``num_tokens`` tokens holds at its end."""
-        full = self._blocks(num_tokens)
-        return sum(full if not w else min(full, self._blocks(w) + 1) for w in self.windows)
+        return sum(self.layout.group_blocks(num_tokens, self.block_size))
 
     def group_block_counts(self, seq: Sequence) -> list[int]:
         """Blocks ``seq`` holds in each group."""
         return [sum(b != FREED for b in table) for table in group_tables(seq)]
 
     def match_prefix(self, seq: Sequence) -> HybridPrefixMatch:
-        """The longest prefix of whole blocks that every group serves; leaves at least one token
-        to compute. Pure query. A sequence that still needs prompt logprobs gets no hit (as in
-        KVCacheManager.match_prefix)."""
-        empty = HybridPrefixMatch([[] for _ in self.windows], 0)
+        """The longest prefix every group serves — whole blocks, then possibly an entry's page;
+        leaves at least one token to compute. Pure query. A sequence that still needs prompt
+        logprobs gets no hit (as in KVCacheManager.match_prefix)."""
+        empty = HybridPrefixMatch([[] for _ in self.windows], None, 0)
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return empty
         hashes = seq.update_block_hashes(self.block_size)[: (seq.num_tokens - 1) // self.block_size]
         found = [[self.cached[g].get(h) for h in hashes] for g in range(len(self.windows))]
-        for num_hit in range(len(hashes), 0, -1):
+        for num_hit in range(len(hashes), -1, -1):
+            entry, num_shared = self._entry_hit(seq, num_hit)
             position = num_hit * self.block_size
-            firsts = [self._first_needed(g, position) for g in range(len(self.windows))]
-            if all(None not in found[g][first:num_hit] for g, first in enumerate(firsts)):
-                tables = [[FREED] * first + found[g][first:num_hit] for g, first in enumerate(firsts)]
-                return HybridPrefixMatch(tables, position)
+            for resume, with_entry in ((position + num_shared, entry), (position, None)):
+                tables = self._hit_tables(found, num_hit, resume)
+                if tables is not None and (num_hit or with_entry is not None):
+                    return HybridPrefixMatch(tables, with_entry, resume)
+                if entry is None:
+                    break  # the second candidate is the same position
         return empty
+
+    def _hit_tables(self, found: list[list[int | None]], num_hit: int, position: int) -> list[list[int]] | None:
+        """Every group's cached blocks among its first ``num_hit`` that tokens from ``position``
+        on read (FREED before a window), or None if a group lacks one."""
+        firsts = [self._first_needed(g, position) for g in range(len(self.windows))]
+        if any(None in found[g][first:num_hit] for g, first in enumerate(firsts)):
+            return None
+        return [[FREED] * first + found[g][first:num_hit] for g, first in enumerate(firsts)]
 
     # --- commands ------------------------------------------------------------------------
     def allocate(
@@ -168,7 +155,9 @@ class HybridKVCacheManager:
     ) -> list[int] | None:
         """Give every group of ``seq`` the blocks to hold ``num_new_tokens`` more tokens, or None
         (nothing changed) if the pool can't. ``prefix`` (only for a sequence without blocks): its
-        blocks are taken first and count as computed. Returns the new blocks."""
+        blocks are taken first and, with its entry's shared tokens, count as computed; the entry's
+        pages are copied into each group's first new block, or taken over when the pool has no
+        blocks to spare for copies (as in KVCacheManager.allocate). Returns the new blocks."""
         if prefix is not None and seq.block_ids:
             raise ValueError("a prefix only applies to a sequence that holds no blocks")
         if prefix is not None and not seq.group_block_ids:
@@ -179,7 +168,8 @@ class HybridKVCacheManager:
         required = self._blocks(num_computed + num_new_tokens)
         wanted = [max(required - len(table) - len(hit), 0) for table, hit in zip(tables, hits)]
         reused = {b for hit in hits for b in hit if b != FREED and self.ref_cnt[b] == 0}
-        if sum(wanted) > len(self.free_queue) - len(reused):
+        available = len(self.free_queue) - len(reused)
+        if sum(wanted) > available:
             return None
         for hit in hits:
             for block_id in hit:
@@ -188,10 +178,14 @@ class HybridKVCacheManager:
                 if self.ref_cnt[block_id] == 0:
                     del self.free_queue[block_id]
                 self.ref_cnt[block_id] += 1
+        pages: tuple[int, ...] = ()
+        if prefix is not None and prefix.entry is not None:
+            pages = self._resume_on(prefix.entry, available - sum(wanted))
         new_blocks: list[int] = []
-        for table, hit, count in zip(tables, hits, wanted):
+        for group, (table, hit, count) in enumerate(zip(tables, hits, wanted)):
             table.extend(hit)
-            added = [self._take_free_block() for _ in range(count)]
+            added = [pages[group]] if pages else []
+            added.extend(self._take_free_block() for _ in range(count - len(added)))
             table.extend(added)
             new_blocks.extend(added)
         if prefix is not None:
@@ -199,16 +193,14 @@ class HybridKVCacheManager:
             self._registered[seq.key] = len(prefix.tables[0])
         return new_blocks
 
-    def record_prefix_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:
-        seq.num_cached_tokens = num_cached_tokens
-        self.prefix_queries += seq.num_prompt_tokens
-        self.prefix_hits += num_cached_tokens
-
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Hash every block of ``seq`` now fully computed, in every group, then return each
-        window group's blocks that fell wholly out of its window (hashes kept). Call after a step."""
+        """Hash every block of ``seq`` now fully computed, in every group, plan an entry for every
+        cache boundary now computed inside a page, then return each window group's blocks that
+        fell wholly out of its window (hashes kept). Call after a step; run the planned copies
+        (:meth:`take_block_copies`) before anything else allocates or frees blocks."""
         if self.enable_prefix_caching:
             self._register(seq)
+            self._cache_boundaries(seq)  # first: a boundary's page may be leaving a window now
         for group, table in enumerate(group_tables(seq)):
             for i in range(self._first_needed(group, seq.num_computed_tokens)):
                 if table[i] != FREED:
@@ -236,76 +228,26 @@ class HybridKVCacheManager:
             self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
         self._registered[seq.key] = num_full
 
-    def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references in every group, tail first."""
-        for table in group_tables(seq):
-            for block_id in reversed(table):
-                if block_id != FREED:
-                    self._release(block_id)
-        seq.block_ids = []
-        seq.group_block_ids = []
-        self._registered.pop(seq.key, None)
-
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        """Always empty: a hybrid pool plans no page copies (no exact-position entries)."""
-        return []
-
-    def drain_events(self) -> list[KVEvent]:
-        self._flush_removed()
-        events, self._events = self._events, []
-        return events
-
-    def snapshot(self) -> list[tuple[BlockHash, BlockHash | None]]:
-        """(hash, parent) of every group-0 block the pool can serve now (thread-safe: see KVCacheManager)."""
-        return list(self.parent_of.items())
-
-    def _release(self, block_id: int) -> None:
-        self.ref_cnt[block_id] -= 1
-        if self.ref_cnt[block_id] == 0:
-            self.free_queue[block_id] = None
-
-    def _flush_removed(self) -> None:
-        if self._removed:
-            self._events.append(BlockRemoved(self._removed))
-            self._removed = []
-
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:
-            group = self.block_group[block_id]
-            del self.cached[group][block_hash]
-            self.block_hash[block_id] = None
-            if group == 0:
-                del self.parent_of[block_hash]
-                if self.record_events:
-                    self._removed.append(block_hash)
-        self.ref_cnt[block_id] = 1
-        return block_id
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash, group = self.block_hash[block_id], self.block_group[block_id]
+        del self.cached[group][block_hash]
+        if group == 0:
+            del self.parent_of[block_hash]
+            if self.record_events:
+                self._removed.append(block_hash)
 
     # --- proof ---------------------------------------------------------------------------
-    def check_integrity(self, live: Iterable[Sequence]) -> BlockCounts:
-        """Prove free + cached + used == pool over every group's tables, that ref counts match the
-        live sequences, that each group's cache map agrees with the blocks' hashes, and that no
-        sequence holds a window group's block wholly before its window."""
-        expected = [0] * self.num_blocks
-        for seq in live:
-            tables = group_tables(seq)
-            if len(tables) != len(self.windows) and any(tables):
-                raise IntegrityError(f"sequence {seq.key} has {len(tables)} tables for {len(self.windows)} groups")
-            for group, table in enumerate(tables):
-                first = self._first_needed(group, seq.num_computed_tokens)
-                if any(b != FREED for b in table[:first]):
-                    raise IntegrityError(f"sequence {seq.key} holds blocks of group {group} before its window")
-                for block_id in table:
-                    if block_id != FREED:
-                        expected[block_id] += 1
-        if expected != self.ref_cnt:
-            bad = [i for i in range(self.num_blocks) if expected[i] != self.ref_cnt[i]]
-            raise IntegrityError(f"ref counts differ from live sequences at blocks {bad[:10]}")
-        unreferenced = {i for i, r in enumerate(self.ref_cnt) if r == 0}
-        if unreferenced != set(self.free_queue):
-            raise IntegrityError("free queue differs from the set of unreferenced blocks")
+    def _check_tables(self, seq: Sequence) -> None:
+        """A table per group, and no block of a window group wholly before its window."""
+        tables = group_tables(seq)
+        if len(tables) != len(self.windows) and any(tables):
+            raise IntegrityError(f"sequence {seq.key} has {len(tables)} tables for {len(self.windows)} groups")
+        for group, table in enumerate(tables):
+            first = self._first_needed(group, seq.num_computed_tokens)
+            if any(b != FREED for b in table[:first]):
+                raise IntegrityError(f"sequence {seq.key} holds blocks of group {group} before its window")
+
+    def _check_cache_maps(self) -> None:
         for group, cached in enumerate(self.cached):
             for block_hash, block_id in cached.items():
                 if self.block_hash[block_id] != block_hash or self.block_group[block_id] != group:
@@ -314,7 +256,3 @@ class HybridKVCacheManager:
             raise IntegrityError("a block holds a hash that no cache map has")
         if self.parent_of.keys() != self.cached[0].keys():
             raise IntegrityError("group 0's parent map differs from its cache map")
-        cached = sum(1 for i in unreferenced if self.block_hash[i] is not None)
-        counts = BlockCounts(len(unreferenced) - cached, cached, self.num_blocks - len(unreferenced), 0)
-        assert sum(counts) == self.num_blocks
-        return counts

@@ -268,12 +268,17 @@ class EngineStats:
     num_waiting_tokens: int  # prompt tokens not computed yet, of queued and of prefilling sequences
     total_computed_tokens: int  # tokens computed by engine steps since start (with total_busy_seconds: a rate)
     kv_cache_dtype: str  # --kv-cache-dtype as resolved: the KV pool's torch dtype name
-    kv_tokens_per_gib: int  # tokens of context one GiB of the KV pool holds (all layers)
+    kv_tokens_per_gib: int  # tokens of max_model_len-long context one GiB of the KV pool holds (all layers)
     # Speculative decoding counters since start (all 0 and [] without --speculative):
     spec_num_drafts: int  # sequence-steps that verified a draft
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_num_accepted_tokens_per_pos: list[int]  # [j]: drafts whose token j was accepted
+    # KV layer groups (engine.kv_groups): each group's sliding window (0: full attention), and the
+    # bytes a token of a max_model_len-long context takes in its pages (a window group holds only
+    # its window, so its share shrinks as the context grows); an older engine sends neither.
+    kv_group_windows: list[int] = field(default_factory=list)
+    kv_bytes_per_token_by_group: list[int] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}
@@ -286,6 +291,8 @@ class EngineStats:
             raise ProtocolError(f"stats must be a map, got {type(wire).__name__}")
         values = {}
         for name, check in _STATS_FIELDS.items():
+            if name not in wire and name in _STATS_OPTIONAL:
+                continue
             if name not in wire:
                 raise ProtocolError(f"stats field {name!r} is missing", name)
             values[name] = check(wire[name], name)
@@ -344,6 +351,7 @@ _STATS_FIELDS = {
     f.name: {"str": _check_str, "int": _check_int, "float": _check_float, "list[int]": _check_counts}[f.type]
     for f in dataclasses.fields(EngineStats)
 }
+_STATS_OPTIONAL = {f.name for f in dataclasses.fields(EngineStats) if f.default_factory is not dataclasses.MISSING}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.core import EngineCore
+from engine.kv_cache import BlockCounts, PositionEntry, entry_key
 from engine.kv_groups import FREED, HybridKVCacheManager, KVLayout, group_tables, kv_layout
 from engine.models import build_model
 from engine.protocol import EngineStats, GenerateRequest, SamplingParams
@@ -48,8 +49,8 @@ def test_layout_groups_layers_by_kind():
     assert llama == KVLayout((0,), (0,) * 3, (0, 1, 2), 3) and not llama.hybrid
 
 
-def new_seq(tokens: list[int], rid: str = "a") -> Sequence:
-    return Sequence(rid, 0, tokens, SamplingParams(max_tokens=100), None, [], None)
+def new_seq(tokens: list[int], rid: str = "a", boundaries: tuple[int, ...] = ()) -> Sequence:
+    return Sequence(rid, 0, list(tokens), SamplingParams(max_tokens=100), None, list(boundaries), None)
 
 
 def step(kv: HybridKVCacheManager, seq: Sequence, num_new: int) -> None:
@@ -95,7 +96,7 @@ def evict(kv: HybridKVCacheManager, block_id: int) -> None:
 
 
 def test_prefix_hit_is_the_longest_every_group_serves():
-    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
+    kv = HybridKVCacheManager(32, BLOCK, LAYOUT, max_entries=0)  # whole blocks only
     prompt = list(range(200, 230))  # 30 tokens: 7 full blocks
     first = new_seq(prompt)
     step(kv, first, 30)
@@ -139,6 +140,79 @@ def test_allocation_of_a_hit_takes_the_cached_blocks_and_fails_cleanly():
     kv.check_integrity([again])
 
 
+def test_boundary_entry_copies_every_groups_page_and_resumes_on_the_window_blocks():
+    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
+    a = new_seq(range(100, 122), "a", boundaries=(18,))  # 22 tokens; the boundary is inside page 4
+    step(kv, a, 22)
+    assert group_tables(a) == [[0, 1, 2, 3, 4, 5], [FREED] * 3 + [9, 10, 11]]
+    # page 4 of both groups into the free queue's head (12, 13); then the window group's blocks
+    # before 22 - 8 went back, after the entry: it is evicted before them
+    assert kv.take_block_copies() == [(4, 12), (10, 13)]
+    key = entry_key(a.block_hashes[3], None)
+    assert kv.entries.by_block == {12: PositionEntry(key, (116, 117), 12, (13,))}
+    assert list(kv.free_queue)[-5:] == [12, 13, 6, 7, 8]
+    assert kv.check_integrity([a]) == BlockCounts(free=18, cached=3, used=9, entries=2)
+
+    # b shares 18 tokens: the full group's blocks [0, 16), the window group's [8, 16) (8 is free
+    # but hashed) and a copy of the entry's page in each group
+    b = new_seq([*range(100, 118), 300, 301, 302, 303], "b")
+    match = kv.match_prefix(b)
+    assert match == ([[0, 1, 2, 3], [FREED, FREED, 8, 9]], kv.entries[12], 18)
+    assert kv.allocate(b, 4, match) == [14, 16, 15, 17]
+    assert kv.take_block_copies() == [(12, 14), (13, 15)]
+    assert group_tables(b) == [[0, 1, 2, 3, 14, 16], [FREED, FREED, 8, 9, 15, 17]]
+    assert b.num_computed_tokens == 18 and list(kv.free_queue)[-2:] == [12, 13]  # the entry, touched
+    assert kv.check_integrity([a, b]) == BlockCounts(free=14, cached=2, used=14, entries=2)
+
+    # a ends: its last page (tokens 120, 121) of both groups becomes a second entry, no copy
+    kv.free(a)
+    assert kv.take_block_copies() == []
+    assert kv.entries[5] == PositionEntry(entry_key(a.block_hashes[4], None), (120, 121), 5, (11,))
+    assert kv.check_integrity([b]).entries == 4
+
+
+def test_losing_one_page_drops_the_whole_entry():
+    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
+    a = new_seq(range(100, 122), "a", boundaries=(18,))
+    step(kv, a, 22)
+    kv.take_block_copies()
+    kv.free(a)
+    assert list(kv.entries) == [12, 5]
+    evict(kv, 13)  # the window group's page of the first entry: the entry goes, 12 is next
+    assert list(kv.entries) == [5] and next(iter(kv.free_queue)) == 12
+    again = new_seq([*range(100, 118), 300, 301], "b")
+    assert kv.match_prefix(again) == ([[0, 1, 2, 3], [FREED, FREED, 8, 9]], None, 16)
+    assert kv.check_integrity([]) == BlockCounts(free=20, cached=10, used=0, entries=2)
+
+
+def test_an_entry_needs_the_window_blocks_before_it():
+    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
+    a = new_seq(range(100, 122), "a", boundaries=(18,))
+    step(kv, a, 22)
+    kv.take_block_copies()
+    kv.free(a)
+    b = new_seq([*range(100, 118), 300, 301], "b")
+    assert kv.match_prefix(b).num_tokens == 18
+    evict(kv, 8)  # the window group's [8, 12): 18 needs [10, 18), 16 [8, 16) and 12 [4, 12)
+    assert kv.match_prefix(b) == ([[0, 1], [6, 7]], None, 8)
+    kv.check_integrity([])
+
+
+def test_a_hit_with_no_spare_blocks_takes_the_entry_over():
+    kv = HybridKVCacheManager(10, BLOCK, LAYOUT)
+    a = new_seq(range(100, 110), "a", boundaries=(6,))  # 10 tokens: 3 blocks a group
+    step(kv, a, 10)
+    assert kv.take_block_copies() == [(1, 6), (4, 7)]
+    b = new_seq([*range(100, 106), 200, 201, 202, 203, 204, 205], "b")  # 12 tokens
+    match = kv.match_prefix(b)
+    assert match.num_tokens == 6 and match.entry == kv.entries[6]
+    # 2 blocks a group from a free queue of 4, the entry's 2 pages among them: no room for copies
+    assert kv.allocate(b, 6, match) == [6, 8, 7, 9]
+    assert kv.take_block_copies() == [] and len(kv.entries) == 0
+    assert group_tables(b) == [[0, 6, 8], [3, 7, 9]]
+    assert kv.check_integrity([a, b]) == BlockCounts(free=0, cached=0, used=10, entries=0)
+
+
 # --- the engine on a sliding-window model --------------------------------------------------------
 
 MODEL_WINDOW = 64
@@ -161,12 +235,15 @@ def engine(gemma_tiny, **settings) -> EngineCore:
     return EngineCore.from_model(EngineConfig(**settings), model, config)
 
 
-def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 8) -> dict[str, tuple[list[int], int]]:
+def run(
+    core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 8,
+    boundaries: dict[str, list[int]] | None = None,
+) -> dict[str, tuple[list[int], int]]:
     """Greedy tokens and cached prompt tokens of each request; integrity and the window bound
     checked after every step."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for rid, prompt in prompts.items():
-        core.add_request(GenerateRequest(rid, prompt, sampling))
+        core.add_request(GenerateRequest(rid, prompt, sampling, cache_boundaries=(boundaries or {}).get(rid, [])))
     out: dict[str, list] = {rid: [[], 0] for rid in prompts}
     bound = math.ceil(MODEL_WINDOW / core.kv.block_size) + 1
     while core.has_work():
@@ -182,7 +259,20 @@ def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 8) ->
 def test_engine_uses_the_hybrid_pool(gemma_tiny):
     core = engine(gemma_tiny)
     assert isinstance(core.kv, HybridKVCacheManager) and core.kv.windows == (0,) + (MODEL_WINDOW,) * 5
+    assert core.kv.entries.cap == 2048 // 4 // 6  # a quarter of the pool, 6 pages an entry
     assert len(core.runner.kv_pages) == 1 and len(core.runner.kv_caches) == 6
+
+
+def test_stats_count_kv_bytes_per_token_by_group(gemma_tiny):
+    core = engine(gemma_tiny)
+    stats = EngineStats.from_wire(core.stats().to_wire())
+    context, page = core.max_model_len, 2 * 16 * 32 * 4  # a page: 16 tokens of one layer's fp32 K and V
+    assert stats.kv_group_windows == [0] + [MODEL_WINDOW] * 5
+    full, window = context // 16, MODEL_WINDOW // 16 + 1  # blocks a max_model_len-long sequence holds
+    assert stats.kv_bytes_per_token_by_group == [page // 16] + [round(window * page / context)] * 5
+    assert stats.kv_tokens_per_gib == 2**30 * context // ((full + 5 * window) * page)
+    all_global = 2**30 // (6 * page // 16)  # every layer holding every token
+    assert stats.kv_tokens_per_gib > 5 * all_global
 
 
 def test_repeated_3k_prompt_hits_its_cache_with_the_same_output(gemma_tiny):
@@ -190,11 +280,33 @@ def test_repeated_3k_prompt_hits_its_cache_with_the_same_output(gemma_tiny):
     prompt = [random.Random(1).randrange(2, 512) for _ in range(3000)]
     cold = run(core, {"cold": prompt})["cold"]
     warm = run(core, {"warm": prompt})["warm"]
-    assert cold[1] == 0 and warm[1] == 2992  # every whole block but the one the last token needs
+    # every whole block but the one the last token needs, then 7 tokens of the entry the cold
+    # run's last page became (it ended at 3007 computed tokens)
+    assert cold[1] == 0 and warm[1] == 2999
     assert warm[0] == cold[0]
     assert core.check_integrity().used == 0
     stats = EngineStats.from_wire(core.stats().to_wire())  # /stats of a hybrid pool, as the gateway reads it
     assert stats.num_cached_blocks >= 2992 // core.kv.block_size
+
+
+def test_resumed_prefill_at_mid_page_boundaries_matches_a_cold_one(gemma_tiny):
+    """Exact-position entries in every group, past the window and with prefill chunks smaller than
+    it: a prompt sharing a system prompt resumes at its boundary, a second turn right after the
+    first turn's last computed token, each with the tokens of a cold prefill."""
+    rng = random.Random(5)
+    system = [rng.randrange(2, 512) for _ in range(201)]  # 12 blocks and 9 tokens; window 64
+    first = system + [rng.randrange(2, 512) for _ in range(150)]
+    core = engine(gemma_tiny, max_num_batched_tokens=48)
+    out = run(core, {"t1": first}, boundaries={"t1": [201, 351]})["t1"][0]
+    assert len(core.kv.entries) == 3  # the two boundaries' pages and t1's last one (358 tokens)
+    turn2 = first + out + [rng.randrange(2, 512) for _ in range(30)]
+    other = system + [rng.randrange(2, 512) for _ in range(100)]
+    warm = run(core, {"turn2": turn2, "other": other})
+    assert warm["turn2"][1] == 351 + 7 and warm["other"][1] == 201  # 358 = 22 blocks and 6 tokens
+    cold = engine(gemma_tiny, max_num_batched_tokens=48, enable_prefix_caching=False)
+    assert warm == {rid: (run(cold, {rid: p})[rid][0], warm[rid][1]) for rid, p in (("turn2", turn2), ("other", other))}
+    counts = core.check_integrity()
+    assert counts.used == 0 and counts.entries == len(core.kv.entries) * 6
 
 
 def test_mid_prompt_edit_resumes_where_every_group_can(gemma_tiny):

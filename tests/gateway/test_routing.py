@@ -159,6 +159,8 @@ def test_engine_stats_round_trip():
     stats = engine_stats(num_waiting=3, kv_usage=0.25, total_busy_seconds=12.5)
     assert EngineStats.from_wire(json.loads(json.dumps(stats.to_wire()))) == stats
     assert EngineStats.from_wire({**stats.to_wire(), "added_later": 1}) == stats  # a newer engine's extras
+    older = {k: v for k, v in stats.to_wire().items() if k not in ("kv_group_windows", "kv_bytes_per_token_by_group")}
+    assert EngineStats.from_wire(older) == stats  # an engine from before the layer-group fields
 
 
 def test_engine_stats_name_a_missing_field():
