@@ -134,6 +134,7 @@ def score(model, prompts, peers) -> dict:
 
 def main() -> None:
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # small single-sequence steps: one thread is as fast, and repeatable
     model, _ = load_model(str(default_model_path()), "gguf", "cpu", torch.float32, load_ops("torch"))
     prompts = smollm2_prompts()
     peers = []
