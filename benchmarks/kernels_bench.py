@@ -7,7 +7,8 @@ each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth``
 ``fused_decode_attention_graph`` rows time one decode layer's attention (SmolLM2 and Llama-3-8B
 shapes) as decode_attention against rotary_embedding + store_kv + paged_attention, inside CUDA
 graphs, as the engine replays decode steps; the ``gemv`` rows time the decode projections
-(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches.
+(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches. The ``fp8``
+rows time fp8 weights against bf16 by path and batch size (see ``bench_fp8``).
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
