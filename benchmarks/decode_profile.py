@@ -31,7 +31,8 @@ from engine.logs import configure_logging
 from loadtest.stamp import emit
 
 REPLAYS = 50
-MAX_MODEL_LEN = {"smollm2-135m": 2048, "llama3-8b": 8192}  # as in gpu_bench.py: the graphs' split counts
+# as in gpu_bench.py (the graphs' split counts); qwen3-0.6b: its offline (nano-vllm) section
+MAX_MODEL_LEN = {"smollm2-135m": 2048, "llama3-8b": 8192, "qwen3-0.6b": 4096}
 
 
 def copy_bandwidth() -> float:
@@ -61,7 +62,7 @@ def fake_seqs(core: EngineCore, batch: int, context: int) -> list[SimpleNamespac
     return [
         SimpleNamespace(
             num_computed_tokens=context - 1, all_token_ids=[7] * context,
-            block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+            block_ids=list(range(i * per_seq, (i + 1) * per_seq)), group_block_ids=[],
         )
         for i in range(batch)
     ]
@@ -110,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="640,4096", help="comma-separated context lengths (default: 640,4096)")
     parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes (default: 1,64)")
-    parser.add_argument("--models", default=",".join(MAX_MODEL_LEN), help="comma-separated dummy shapes")
+    parser.add_argument("--models", default="smollm2-135m,llama3-8b",
+                        help=f"comma-separated dummy shapes, of {','.join(MAX_MODEL_LEN)}")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="the engine's --quantization")
     args = parser.parse_args()
     if not torch.cuda.is_available():

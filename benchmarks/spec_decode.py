@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.logs import configure_logging
+from engine.model_runner import LaunchedStep
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.scheduler import SampledToken, ScheduledSeq
 from engine.warmup import warmup
@@ -125,6 +126,9 @@ class ReplayRunner:
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
+
+    def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
+        return LaunchedStep.on_host(self.execute(scheduled), graphed=False)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         sampled = self.runner.execute(scheduled)

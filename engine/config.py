@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +41,18 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: whole dimensions at the ramp's ends
+    # llama3 as llama.cpp stores it (a GGUF's rope_freqs.weight): each inverse frequency divided
+    # by its factor, in place of the settings above
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES[1:]:
             raise ValueError(f"RoPE type {self.rope_type!r} is not supported (expected one of {ROPE_TYPES})")
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if self.freq_factors is not None:
+            if self.rope_type != "llama3":
+                raise ValueError(f"freq_factors are a llama3 RoPE's, not a {self.rope_type!r} one's")
+            object.__setattr__(self, "freq_factors", tuple(map(float, self.freq_factors)))  # hashable
+        elif self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"RoPE type {self.rope_type!r} needs original_max_position_embeddings")
 
     @classmethod
@@ -54,7 +63,7 @@ class RopeScaling:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (expected one of {ROPE_TYPES})")
         if rope_type == "default":
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"freq_factors"}  # a GGUF's, never HF's
         unknown = sorted(set(rope) - known - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
         if unknown:
             raise ValueError(f"RoPE setting {unknown[0]!r} of type {rope_type!r} is not supported")
@@ -359,6 +368,16 @@ class EngineConfig:
         None, "a step admits another waiting prompt only while it holds fewer prompt tokens than this (default: "
               f"{CPU_PREFILL_PACK_TOKENS} on the CPU, where a long prompt sharing a step only delays the other's "
               "first token; the whole budget on CUDA, where batched prefill is faster per token)")
+    mixed_prefill_step_latency_ms: float = _flag(
+        0.0, "a step that prefills beside running decodes holds the prompt tokens that a fit of the step's "
+             "cost (fixed + per token) says fit this latency, and never fewer than cost as much as the fixed "
+             "part; 0 = off: the whole token budget (off by default: an eager step's fixed cost is still mostly "
+             "host time, so a target trades throughput for the decoders' latency)", metavar="MS")
+    async_scheduling: bool | None = _flag(
+        None, "plan step N+1 on the host while step N runs on the device, N's sampled tokens feeding N+1 "
+              "without a round trip; steps with structured output, penalties, min_tokens or speculation "
+              "wait for the previous one (default: on with CUDA, off on the CPU)",
+        flag="--async-scheduling", action=argparse.BooleanOptionalAction)
     max_model_len: int | None = _flag(None, "context length limit (default: the model's)")
     num_kv_blocks: int | None = _flag(None, "size of the KV block pool (default: from --kv-cache-memory)")
     kv_cache_memory_gb: float | None = _flag(
@@ -368,6 +387,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _flag(
         0.9, "fraction of the GPU's memory this engine may use: weights, the largest step's activations "
              "(measured by a profiling run) and the KV cache fill it")
+    host_kv_cache_gib: float = _flag(
+        0.0, "GiB of host memory (pinned on CUDA) for a second KV tier: full blocks evicted from the KV pool "
+             "are copied there and a later prefix hit loads them back instead of recomputing them; 0 = off",
+        metavar="GIB")
     enforce_eager: bool = _flag(False, "no CUDA graphs: run decode steps eagerly (default: graphs on CUDA)",
                                 action="store_true")
     enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
@@ -411,6 +434,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not (math.isfinite(self.host_kv_cache_gib) and self.host_kv_cache_gib >= 0):
+            raise ValueError(f"host_kv_cache_gib must be a non-negative number of GiB, got {self.host_kv_cache_gib}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib needs prefix caching: the host tier serves prefix hits")
+        if self.host_kv_cache_gib and self.tensor_parallel_size > 1:
+            raise ValueError("host_kv_cache_gib is not supported with tensor_parallel_size > 1 yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.max_entries_fraction <= 1:
@@ -428,6 +457,9 @@ class EngineConfig:
         if not 0 < self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 0 < ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
                              f"ngram_max={self.ngram_max}")
+        if not 0 <= self.mixed_prefill_step_latency_ms < 1e6:
+            raise ValueError(f"mixed_prefill_step_latency_ms must be in [0, 1e6), got "
+                             f"{self.mixed_prefill_step_latency_ms}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.dtype not in DTYPES:
@@ -457,6 +489,10 @@ class EngineConfig:
         if self.prefill_pack_tokens is not None:
             return self.prefill_pack_tokens
         return CPU_PREFILL_PACK_TOKENS if self.device == "cpu" else self.max_num_batched_tokens
+
+    @property
+    def resolved_async_scheduling(self) -> bool:
+        return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property
     def resolved_kernel_backend(self) -> str:

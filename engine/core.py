@@ -1,5 +1,14 @@
 """EngineCore: one loop, three verbs: schedule → run → update (the scheduler records the step).
 
+With overlapped (asynchronous) scheduling the verbs of two steps interleave: step N+1 is planned
+and queued on the device while step N still runs there, and then N's tokens are read and
+recorded. The scheduler plans N+1 from N's advanced state (each sequence that sampled in N goes on
+by one pending token, which N+1 reads on the device), and ``Scheduler.record`` masks N+1's result
+for a sequence N finished or an abort ended. A step is left in flight only when the next one can
+be planned without its tokens: no grammar (a mask needs the matcher advanced by the previous
+token), no penalty or min_tokens (they count the output), no speculation (the proposer drafts from
+the tokens); otherwise it is recorded before the next one is planned, as in the synchronous loop.
+
 The core owns the requests by id and turns each step's sequences into frames; the model runner is
 injected (:class:`Runner`), so its bookkeeping runs without a model in tests. So are the grammars
 of structured output (:class:`engine.structured.Grammars`, None when the model has no vocabulary).
@@ -8,6 +17,7 @@ Not thread-safe, except :meth:`EngineCore.check_admissible` and :meth:`EngineCor
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -18,8 +28,10 @@ import torch
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
+from engine.kv_host import HostBlockPool, HostKVStore, HostTransfers
 from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
-from engine.model_runner import MemoryProfile, ModelRunner, kv_bytes_per_block
+from engine.mixed_budget import MixedPrefillBudget
+from engine.model_runner import LaunchedStep, MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.models.fp8 import is_fp8, quantize_fp8
 from engine.protocol import (
     EngineStats,
@@ -31,7 +43,7 @@ from engine.protocol import (
     StructuredOutput,
 )
 from engine.request import Sequence, Status
-from engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.spec_decode import NgramProposer
 from engine.structured import NO_VOCABULARY, Grammars, new_matcher
 from kernels import load_ops
@@ -72,8 +84,10 @@ class Runner(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
     def profile_memory(self, num_tokens: int, gpu_memory_utilization: float) -> MemoryProfile: ...
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]: ...
+    def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None) -> LaunchedStep: ...
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+    def allocate_host_kv_cache(self, num_slots: int) -> None: ...
+    def move_host_blocks(self, transfers: HostTransfers) -> None: ...
 
 
 class EngineCore:
@@ -91,29 +105,44 @@ class EngineCore:
             # Rolling back rejected drafts is implemented for the single-group pool only.
             raise ValueError(f"--speculative does not support {model_config.name}'s sliding-window layers yet")
         record_events = config.index_url is not None
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
+        host = None
+        if config.host_kv_cache_gib:
+            num_slots = HostKVStore.slots_for(config.host_kv_cache_gib, per_block)
+            if num_slots == 0:
+                raise ValueError(f"host_kv_cache_gib {config.host_kv_cache_gib} holds no KV block of "
+                                 f"{per_block} bytes; raise it or set 0")
+            runner.allocate_host_kv_cache(num_slots)
+            host = HostBlockPool(num_slots, record_events)
+            log.info("host_kv_cache_ready", num_blocks=num_slots, kv_tokens=num_slots * config.block_size,
+                     host_kv_gib=round(num_slots * per_block / 2**30, 3), pinned=self.device.type == "cuda")
         # Sliding-window layers: layer groups that free what leaves their window (engine.kv_groups).
         # an entry holds a page in every group: the fraction of the pool bounds their blocks
         max_entries = int(num_blocks * config.max_entries_fraction) // len(layout.group_windows)
         self.kv: KVCacheManager | HybridKVCacheManager = (
             HybridKVCacheManager(num_blocks, config.block_size, layout, config.enable_prefix_caching, record_events,
-                                 max_entries)
+                                 max_entries, host)
             if layout.hybrid else
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events, max_entries)
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_events, max_entries,
+                           host=host)
         )
         self.proposer = None if config.speculative is None else NgramProposer(
             config.num_speculative_tokens, config.ngram_min, config.ngram_max
         )
+        target_ms = config.mixed_prefill_step_latency_ms
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.resolved_prefill_pack_tokens,
             eos_token_ids=model_config.eos_token_ids, max_model_len=self.max_model_len, proposer=self.proposer,
+            mixed_budget=MixedPrefillBudget(target_ms / 1e3, config.max_num_batched_tokens) if target_ms else None,
         )
+        self.async_scheduling = config.resolved_async_scheduling
+        self._in_flight: tuple[list[ScheduledSeq], LaunchedStep] | None = None  # step N, while N+1 is planned
         self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
         # KV bytes by group for a context of max_model_len tokens: a window group holds its window only
-        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
         self.kv_group_windows = layout.group_windows
         group_blocks = layout.group_blocks(self.max_model_len, config.block_size)
         self.kv_bytes_per_token_by_group = [round(n * per_block / self.max_model_len) for n in group_blocks]
@@ -203,9 +232,11 @@ class EngineCore:
                 "max_tokens",
             )
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            # the longest sequence the pool holds (a hybrid pool's window groups keep their window only)
+            capacity = bisect.bisect_right(range(total), self.kv.num_blocks, key=self.kv.blocks_needed) - 1
             raise ProtocolError(
                 f"prompt + max_tokens ({total} tokens) needs more KV cache than this engine has "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens)",
+                f"({capacity} tokens)",
                 "max_tokens",
             )
 
@@ -253,29 +284,48 @@ class EngineCore:
         return frames
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[OutputFrame]:
+        """Plan and queue a step, then record the step before it if that one is still in flight,
+        then this one unless it may stay in flight; returns the frames of the steps recorded."""
         t0 = time.perf_counter()
-        scheduled = self.scheduler.schedule().scheduled
-        if not scheduled:
-            return []
-        for seq, _ in scheduled:
-            queued_at = self._queued_at.pop(seq.request_id, None)
-            if queued_at is not None:
-                self._queue_times.append(t0 - queued_at)
-        self._copy_blocks()  # prefix hits resume on private copies of exact-position entries
-        sampled = self.runner.execute(scheduled)
-        outputs = self.scheduler.update(scheduled, sampled)
-        self._copy_blocks()  # new entries, while their source pages still hold this step's KV
+        scheduled = self.scheduler.schedule().scheduled  # the step in flight, if any, counts as done
+        launched = None
+        if scheduled:
+            for seq, _ in scheduled:
+                queued_at = self._queued_at.pop(seq.request_id, None)
+                if queued_at is not None:
+                    self._queue_times.append(t0 - queued_at)
+            self._copy_blocks()  # host tier loads and offloads; prefix hits resume on copies of entries
+            launched = self.runner.launch(scheduled, self._in_flight[1] if self._in_flight else None)
+        frames = self._record(*self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        if launched is not None:
+            self.scheduler.advance(scheduled)
+            self._copy_blocks()  # new entries, queued after this step's KV is written
+            if self.async_scheduling and not any(map(_needs_host_tokens, launched.seqs)) and self.proposer is None:
+                self._in_flight = (scheduled, launched)
+            else:
+                frames += self._record(scheduled, launched)
+            self.counters.steps += 1
+            self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
+        self.counters.busy_seconds += time.perf_counter() - t0
+        return frames
+
+    def _record(self, scheduled: list[ScheduledSeq], launched: LaunchedStep) -> list[OutputFrame]:
+        """Wait for a step's tokens, have the scheduler record them, and turn them into frames."""
+        sampled = launched.resolve()
+        budget, seconds = self.scheduler.mixed_budget, launched.seconds()
+        if budget is not None and seconds is not None:
+            budget.observe(sum(n for _, n in scheduled), seconds, launched.graphed)
+        outputs = self.scheduler.record(scheduled, sampled)
+        self._copy_blocks()  # entries of finished sequences' last pages
         frames = [self._frame(seq) for seq in outputs]
         for seq in outputs:
             if seq.finish_reason is not None:
                 self._retire(seq.request_id)
-        self.counters.steps += 1
-        self.counters.busy_seconds += time.perf_counter() - t0
-        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         return frames
 
     def take_queue_times(self) -> list[float]:
@@ -284,6 +334,9 @@ class EngineCore:
         return times
 
     def _copy_blocks(self) -> None:
+        transfers = self.kv.take_host_transfers()
+        if transfers:
+            self.runner.move_host_blocks(transfers)
         copies = self.kv.take_block_copies()
         if copies:
             self.runner.copy_blocks(copies)
@@ -325,7 +378,13 @@ class EngineCore:
         return [s for seqs in self.requests.values() for s in seqs if s.status is not Status.FINISHED]
 
     def check_integrity(self) -> BlockCounts:
+        """The KV pool's counts; raises IntegrityError if it or the host tier is inconsistent."""
+        self.check_host_integrity()
         return self.kv.check_integrity(self.live_sequences())
+
+    def check_host_integrity(self) -> BlockCounts | None:
+        """The host tier's counts (None without one); raises IntegrityError if it is inconsistent."""
+        return self.kv.host.check_integrity() if self.kv.host is not None else None
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()
@@ -334,8 +393,12 @@ class EngineCore:
         """Every cached block's (hash, parent); thread-safe (the KV event publisher calls it)."""
         return self.kv.snapshot()
 
+    def host_kv_snapshot(self) -> list[BlockHash]:
+        """The hashes the host tier holds (none without one); thread-safe, as :meth:`kv_snapshot`."""
+        return self.kv.host.snapshot() if self.kv.host is not None else []
+
     def stats(self) -> EngineStats:
-        kv = self.kv
+        kv, host = self.kv, self.kv.host
         spec = self.proposer.stats if self.proposer is not None else None
         return EngineStats(
             model=self.config.served_name,
@@ -363,8 +426,22 @@ class EngineCore:
             kv_tokens_per_gib=self.kv_tokens_per_gib,
             kv_group_windows=list(self.kv_group_windows),
             kv_bytes_per_token_by_group=self.kv_bytes_per_token_by_group,
+            num_host_blocks=host.num_slots if host else 0,
+            num_host_cached_blocks=host.num_cached_blocks if host else 0,
+            host_offloaded_blocks=host.num_offloaded if host else 0,
+            host_loaded_blocks=host.num_loaded if host else 0,
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_num_accepted_tokens_per_pos=list(spec.accepted_per_pos) if spec else [],
+            mixed_prefill_budget=(self.scheduler.mixed_budget.budget if self.scheduler.mixed_budget is not None
+                                  else self.config.max_num_batched_tokens),
         )
+
+
+def _needs_host_tokens(seq: Sequence) -> bool:
+    """Whether sampling ``seq``'s next token needs its last one on the host: a grammar mask (the
+    matcher advances by it), penalties or a min_tokens mask (they read or count the output)."""
+    p = seq.sampling
+    return (seq.matcher is not None or len(seq.output_ids) < p.min_tokens or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)

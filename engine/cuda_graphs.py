@@ -31,6 +31,22 @@ from engine.kv_groups import group_tables
 from engine.request import Sequence
 
 
+class CarriedTokens(NamedTuple):
+    """Input tokens still on the device: the previous step's sampled ``tokens`` ([rows] int64) and
+    ``rows``, (input row, row of ``tokens``) pairs in input-row order."""
+
+    tokens: torch.Tensor
+    rows: list[tuple[int, int]]
+
+    def scatter(self, input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Write the carried tokens into ``input_ids``; ``dst``/``src``: ``rows`` on the device."""
+        k = len(self.rows)
+        if self.rows[-1][0] == k - 1 and all(d == s for d, s in self.rows):  # 0..k-1 from 0..k-1: a plain decode step
+            input_ids[:k].copy_(self.tokens[:k])
+        else:
+            input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+
+
 class DecodeOutput(NamedTuple):
     logits: torch.Tensor  # [num_seqs, vocab] fp32, a view of the graph's static output
     greedy: torch.Tensor  # [num_seqs] int64, each row's argmax
@@ -82,8 +98,11 @@ class DecodeGraphs:
         width = -(-self.max_batch_size * q // _ROW_ALIGN) * _ROW_ALIGN
         pin = device.type == "cuda"
         # Host staging: filled with numpy, copied to the device in three transfers per step. The id
-        # rows: input ids, positions, then each group's slots.
-        self._host_ids = torch.zeros((2 + num_groups, width), dtype=torch.int64, pin_memory=pin)
+        # rows: input ids, positions, each group's slots, then the rows whose input id is a token of the
+        # previous step still on the device, and where that step's tokens hold it (overlapped steps).
+        self._slot_rows = slice(2, 2 + num_groups)
+        self._dst_row, self._src_row = 2 + num_groups, 3 + num_groups
+        self._host_ids = torch.zeros((4 + num_groups, width), dtype=torch.int64, pin_memory=pin)
         self._host_seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, pin_memory=pin)
         self._host_tables = torch.zeros(
             (num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
@@ -98,8 +117,8 @@ class DecodeGraphs:
         self._table_rows: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * self.max_batch_size for _ in range(num_groups)
         ]
-        self._ids = torch.zeros((2 + num_groups, width), dtype=torch.int64, device=device)
-        self._ids[2:].fill_(-1)
+        self._ids = torch.zeros((4 + num_groups, width), dtype=torch.int64, device=device)
+        self._ids[self._slot_rows].fill_(-1)
         self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
         self._tables = torch.zeros((num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32,
                                    device=device)
@@ -126,7 +145,7 @@ class DecodeGraphs:
     def skip_kv_stores(self) -> None:
         """Until the next ``run``, replays store no K/V (every slot -1), so replaying the last
         step's inputs again leaves the cache as it was."""
-        self._ids[2:].fill_(-1)
+        self._ids[self._slot_rows].fill_(-1)
 
     def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
         q = self.query_len
@@ -178,11 +197,12 @@ class DecodeGraphs:
             len(s.draft_ids) < q and (q == 1 or s.num_computed_tokens + q <= self.capacity) for s in seqs
         )
 
-    def run(self, seqs: Seq[Sequence]) -> DecodeOutput:
+    def run(self, seqs: Seq[Sequence], carried: CarriedTokens | None = None) -> DecodeOutput:
         """Logits and argmax of the next token of each sequence (each has exactly one token to
         compute, its draft if q > 1, and its blocks allocated); row ``i * q + j`` is sequence ``i``'s
         ``j``-th query token. Writes their K/V into the cache. The outputs are views of static
-        buffers: valid until the next ``run``."""
+        buffers: valid until the next ``run``. ``carried`` (q == 1): the sequences whose token is
+        still pending, read from the previous step's tokens on the device."""
         n = len(seqs)
         q = self.query_len
         if self._copied is not None:
@@ -193,7 +213,7 @@ class DecodeGraphs:
             pos = seq.num_computed_tokens
             seq_lens[i] = pos + q
             if q == 1:
-                ids[0, i] = seq.all_token_ids[pos]
+                ids[0, i] = seq.all_token_ids[pos] if pos < len(seq.all_token_ids) else 0  # else carried
                 ids[1, i] = pos
             else:
                 tokens = [seq.all_token_ids[pos], *seq.draft_ids]
@@ -216,13 +236,19 @@ class DecodeGraphs:
         batch_size = key[0]
         ids[0, n * q : batch_size * q] = 0
         ids[1, n * q : batch_size * q] = list(range(q)) * (batch_size - n)
-        ids[2:, n * q : batch_size * q] = -1
+        ids[self._slot_rows, n * q : batch_size * q] = -1
         seq_lens[n:batch_size] = 0 if q == 1 else q
+        num_carried = 0 if carried is None else len(carried.rows)
+        if num_carried:
+            ids[self._dst_row, :num_carried], ids[self._src_row, :num_carried] = zip(*carried.rows)
         self._ids.copy_(self._host_ids, non_blocking=True)
         self._seq_lens[:batch_size].copy_(self._host_seq_lens[:batch_size], non_blocking=True)
         self._tables[:, :n].copy_(self._host_tables[:, :n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if num_carried:
+            ids_dev = self._ids
+            carried.scatter(ids_dev[0], ids_dev[self._dst_row, :num_carried], ids_dev[self._src_row, :num_carried])
         if self.capture_graphs:
             self._graphs[key].replay()
             out = self._outputs[key]

@@ -32,17 +32,26 @@ losing any one of its pages to an allocation drops the whole entry.
 free queue, events, prefix counters and the entries. The manager only plans page copies; the engine
 runs them (:meth:`BlockPool.take_block_copies`) in order, before the next forward reads or writes
 the pool.
+
+With a host tier (``host``, see :mod:`engine.kv_host`), a full block whose hash leaves the pool is
+offloaded to it, and a prefix hit continues past the pool's cached blocks into blocks the host tier
+holds: they are loaded into new blocks, cached under their hashes at once (planned like page
+copies, :meth:`BlockPool.take_host_transfers`, which the engine runs first) and count as cached
+tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.request import Sequence
 from prefix_index.events import BlockRemoved, BlockStored, KVEvent
 from prefix_index.hashing import BlockHash, hash_block
+
+if TYPE_CHECKING:
+    from engine.kv_host import HostBlockPool, HostTransfers
 
 FREED = -1  # a window group's table entry whose block went back to the pool (engine.kv_groups)
 
@@ -69,12 +78,14 @@ class PositionEntry(NamedTuple):
 
 
 class PrefixMatch(NamedTuple):
-    """What :meth:`KVCacheManager.match_prefix` found: cached full blocks, then possibly an entry
-    whose page serves the next ``num_tokens - len(blocks) * block_size`` tokens."""
+    """What :meth:`KVCacheManager.match_prefix` found: cached full blocks, then the hashes of full
+    blocks the host tier holds (to load), then possibly an entry whose page serves the tokens up to
+    ``num_tokens``."""
 
     blocks: list[int]
     entry: PositionEntry | None
     num_tokens: int  # prompt tokens served from cache
+    host_hashes: tuple[BlockHash, ...] = ()
 
 
 class IntegrityError(AssertionError):
@@ -198,6 +209,7 @@ class BlockPool:
         record_events: bool,
         max_entries: int | None,
         num_groups: int = 1,
+        host: HostBlockPool | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
@@ -215,6 +227,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.parent_of: dict[BlockHash, BlockHash | None] = {}  # of every group-0 cached hash (index resyncs)
         self.entries = PositionEntries(max_entries if enable_prefix_caching else 0)
+        self.host = host if enable_prefix_caching else None
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages, in the order planned
         self._events: list[KVEvent] = []
         self._removed: list[BlockHash] = []
@@ -268,10 +281,17 @@ class BlockPool:
         copies, self._copies = self._copies, []
         return copies
 
+    def take_host_transfers(self) -> HostTransfers | None:
+        """The host tier's planned copies (see :meth:`HostBlockPool.take_transfers`); None without one.
+        Run them before the block copies of :meth:`take_block_copies`."""
+        return self.host.take_transfers() if self.host is not None else None
+
     def drain_events(self) -> list[KVEvent]:
-        """KV events since the last call, in order (for the prefix index publisher)."""
+        """KV events since the last call, in order within each tier (for the prefix index publisher)."""
         self._flush_removed()
         events, self._events = self._events, []
+        if self.host is not None:
+            events.extend(self.host.drain_events())
         return events
 
     def snapshot(self) -> list[tuple[BlockHash, BlockHash | None]]:
@@ -300,6 +320,8 @@ class BlockPool:
                 if page != block_id:
                     self.free_queue.move_to_end(page, last=False)
         elif self.block_hash[block_id] is not None:
+            if self.host is not None:
+                self.host.offload((self._hash_group(block_id), self.block_hash[block_id]), block_id)
             self._forget_hash(block_id)
             self.block_hash[block_id] = None
         self.ref_cnt[block_id] = 1
@@ -308,6 +330,41 @@ class BlockPool:
     def _forget_hash(self, block_id: int) -> None:
         """Drop the hash ``block_id`` holds from the cache maps (it is being reused)."""
         raise NotImplementedError
+
+    def _hash_group(self, block_id: int) -> int:
+        """The layer group whose cache map holds ``block_id``'s hash."""
+        return 0
+
+    def _cache_block(self, block_id: int, group: int, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """Record that ``block_id`` holds the KV of ``block_hash`` in ``group`` (``parent``: the
+        block before it, for group 0's index resyncs)."""
+        raise NotImplementedError
+
+    def _load_from_host(self, loads: list[tuple[int, int]], hashes: list[BlockHash]) -> list[int]:
+        """New blocks for ``loads``, (layer group, index into ``hashes``) of blocks the host tier
+        holds, in order: each cached under its hash at once, its load planned. Every slot is pinned
+        first: taking a block may offload another to the host tier. Group 0's runs of consecutive
+        blocks become stored events."""
+        assert self.host is not None
+        slots = [self.host.pin((group, hashes[i])) for group, i in loads]
+        blocks = []
+        for slot, (group, i) in zip(slots, loads):
+            block_id = self._take_free_block()
+            self.host.load(slot, block_id)
+            self._cache_block(block_id, group, hashes[i], hashes[i - 1] if i else None)
+            blocks.append(block_id)
+        if self.record_events:
+            runs: list[list[int]] = []
+            for group, i in loads:
+                if group == 0:
+                    if runs and runs[-1][-1] == i - 1:
+                        runs[-1].append(i)
+                    else:
+                        runs.append([i])
+            self._flush_removed()
+            self._events.extend(BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None)
+                                for run in runs)
+        return blocks
 
     # --- exact-position entries --------------------------------------------------------------
     def _entry_key(self, seq: Sequence, page: int) -> BlockHash:
@@ -479,8 +536,9 @@ class KVCacheManager(BlockPool):
         enable_prefix_caching: bool = True,
         record_events: bool = False,
         max_entries: int | None = None,
+        host: HostBlockPool | None = None,
     ):
-        super().__init__(num_blocks, block_size, enable_prefix_caching, record_events, max_entries)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, record_events, max_entries, host=host)
         self.cached: dict[BlockHash, int] = {}
 
     # --- queries -------------------------------------------------------------------------
@@ -509,18 +567,26 @@ class KVCacheManager(BlockPool):
             if block_id is None:
                 break
             hit.append(block_id)
-        entry, num_shared = self._entry_hit(seq, len(hit))
-        return PrefixMatch(hit, entry, len(hit) * self.block_size + num_shared)
+        host_hashes: list[BlockHash] = []
+        if self.host is not None:
+            for block_hash in hashes[len(hit) : max_blocks]:
+                if self.host.get((0, block_hash)) is None:
+                    break
+                host_hashes.append(block_hash)
+        num_full = len(hit) + len(host_hashes)
+        entry, num_shared = self._entry_hit(seq, num_full)
+        return PrefixMatch(hit, entry, num_full * self.block_size + num_shared, tuple(host_hashes))
 
     # --- commands ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> list[int] | None:
         """Give ``seq`` the blocks to hold ``num_new_tokens`` more tokens, or None if the pool can't.
 
         ``prefix`` (from :meth:`match_prefix`, only for a sequence with no blocks yet): its full
-        blocks are taken first and, with its entry's shared tokens, count as computed. The entry's
-        page is copied into the first new block (a planned copy, see :meth:`take_block_copies`);
-        when that block would have to be the entry's own, the sequence takes the entry's block over
-        instead. Returns the new blocks. On None nothing has changed.
+        blocks are taken first, then new blocks loaded from its host-held ones, and these, with its
+        entry's shared tokens, count as computed. The entry's page is copied into the next new
+        block (a planned copy, see :meth:`take_block_copies`); when that block would have to be the
+        entry's own, the sequence takes the entry's block over instead. Returns the new blocks. On
+        None nothing has changed.
         """
         if prefix is None and self.blocks_needed(seq.num_computed_tokens + num_new_tokens) <= len(seq.block_ids):
             return []  # the common decode step: its token fits in the last block
@@ -537,15 +603,21 @@ class KVCacheManager(BlockPool):
             if self.ref_cnt[block_id] == 0:
                 del self.free_queue[block_id]
             self.ref_cnt[block_id] += 1
-        new_blocks: list[int] = []
+        # the entry's pages first: the loads then never take them from the free queue
+        pages: tuple[int, ...] = ()
         if prefix is not None and prefix.entry is not None:
-            new_blocks.extend(self._resume_on(prefix.entry, available - num_new_blocks))
+            pages = self._resume_on(prefix.entry, available - num_new_blocks)
+        new_blocks: list[int] = []
+        if prefix is not None and prefix.host_hashes:
+            loads = [(0, i) for i in range(len(cached_blocks), len(cached_blocks) + len(prefix.host_hashes))]
+            new_blocks.extend(self._load_from_host(loads, seq.update_block_hashes(self.block_size)))
+        new_blocks.extend(pages)
         new_blocks.extend(self._take_free_block() for _ in range(num_new_blocks - len(new_blocks)))
         seq.block_ids.extend(cached_blocks)
         seq.block_ids.extend(new_blocks)
         if prefix is not None:
             seq.num_computed_tokens = num_computed
-            self._registered[seq.key] = len(cached_blocks)
+            self._registered[seq.key] = len(cached_blocks) + len(prefix.host_hashes)
         return new_blocks
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -564,9 +636,7 @@ class KVCacheManager(BlockPool):
             for i in range(start, num_full):
                 block_id, block_hash = seq.block_ids[i], hashes[i]
                 if self.block_hash[block_id] is None and block_hash not in self.cached:
-                    self.block_hash[block_id] = block_hash
-                    self.cached[block_hash] = block_id
-                    self.parent_of[block_hash] = hashes[i - 1] if i else None
+                    self._cache_block(block_id, 0, block_hash, hashes[i - 1] if i else None)
             if self.record_events:
                 self._flush_removed()  # keep events in the order they happened
                 self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
@@ -584,6 +654,11 @@ class KVCacheManager(BlockPool):
             self.free_queue[block_id] = None
             self.free_queue.move_to_end(block_id, last=False)
         seq.block_ids = seq.block_ids[:keep]  # a new list: DecodeGraphs rewrites a table row only where its list grew
+
+    def _cache_block(self, block_id: int, group: int, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        self.parent_of[block_hash] = parent
 
     def _forget_hash(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

@@ -19,20 +19,24 @@ window group, the blocks covering ``[P - W, P)``: the longest such ``P`` is take
 :meth:`snapshot`) cover group 0's blocks, per block as for a single group. Exact-position entries
 (see ``engine.kv_cache``) hold the partial page of every group, so a hit at ``P`` inside a page
 takes an entry's pages plus the same full blocks ``P`` needs; their cap counts entries, each
-``num_groups`` blocks.
+``num_groups`` blocks. With a host tier (``engine.kv_host``) a group's block may also come from
+host memory, by (group, hash): a hit takes it as if cached, and allocation loads it into a new block.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import ModelConfig
 from engine.kv_cache import FREED, BlockPool, IntegrityError, PositionEntry, group_tables
 from engine.request import Sequence
 from prefix_index.events import BlockStored
 from prefix_index.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from engine.kv_host import HostBlockPool
 
 
 class KVLayout(NamedTuple):
@@ -75,9 +79,13 @@ def kv_layout(config: ModelConfig) -> KVLayout:
     return KVLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
+ON_HOST = -2  # a hit table's entry whose block the host tier holds: allocation loads it
+
+
 class HybridPrefixMatch(NamedTuple):
-    """Cached blocks of every group (FREED before a window), then possibly an entry whose pages
-    serve the tokens from ``len(tables[0]) * block_size`` to ``num_tokens``."""
+    """Cached blocks of every group (FREED before a window, ON_HOST where the host tier holds
+    them), then possibly an entry whose pages serve the tokens from ``len(tables[0]) * block_size``
+    to ``num_tokens``."""
 
     tables: list[list[int]]
     entry: PositionEntry | None
@@ -90,10 +98,10 @@ class HybridKVCacheManager(BlockPool):
 
     def __init__(
         self, num_blocks: int, block_size: int, layout: KVLayout, enable_prefix_caching: bool = True,
-        record_events: bool = False, max_entries: int | None = None,
+        record_events: bool = False, max_entries: int | None = None, host: HostBlockPool | None = None,
     ):
         super().__init__(num_blocks, block_size, enable_prefix_caching, record_events, max_entries,
-                         num_groups=len(layout.group_windows))
+                         num_groups=len(layout.group_windows), host=host)
         self.layout = layout
         self.windows = layout.group_windows
         self.block_group: list[int] = [0] * num_blocks  # the group whose map holds the block's hash
@@ -129,8 +137,10 @@ class HybridKVCacheManager(BlockPool):
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return empty
         hashes = seq.update_block_hashes(self.block_size)[: (seq.num_tokens - 1) // self.block_size]
-        found = [[self.cached[g].get(h) for h in hashes] for g in range(len(self.windows))]
-        for num_hit in range(len(hashes), -1, -1):
+        found = [[self._find(g, h) for h in hashes] for g in range(len(self.windows))]
+        # a full-attention group 0 bounds the hit by its leading run of cached blocks
+        longest = found[0].index(None) if not self.windows[0] and None in found[0] else len(hashes)
+        for num_hit in range(longest, -1, -1):
             entry, num_shared = self._entry_hit(seq, num_hit)
             position = num_hit * self.block_size
             for resume, with_entry in ((position + num_shared, entry), (position, None)):
@@ -140,6 +150,13 @@ class HybridKVCacheManager(BlockPool):
                 if entry is None:
                     break  # the second candidate is the same position
         return empty
+
+    def _find(self, group: int, block_hash: BlockHash) -> int | None:
+        """``group``'s cached block of ``block_hash``, else ON_HOST if the host tier holds it, else None."""
+        block_id = self.cached[group].get(block_hash)
+        if block_id is None and self.host is not None and self.host.get((group, block_hash)) is not None:
+            return ON_HOST
+        return block_id
 
     def _hit_tables(self, found: list[list[int | None]], num_hit: int, position: int) -> list[list[int]] | None:
         """Every group's cached blocks among its first ``num_hit`` that tokens from ``position``
@@ -155,9 +172,10 @@ class HybridKVCacheManager(BlockPool):
     ) -> list[int] | None:
         """Give every group of ``seq`` the blocks to hold ``num_new_tokens`` more tokens, or None
         (nothing changed) if the pool can't. ``prefix`` (only for a sequence without blocks): its
-        blocks are taken first and, with its entry's shared tokens, count as computed; the entry's
-        pages are copied into each group's first new block, or taken over when the pool has no
-        blocks to spare for copies (as in KVCacheManager.allocate). Returns the new blocks."""
+        blocks are taken first (those ON_HOST loaded into new blocks) and, with its entry's shared
+        tokens, count as computed; the entry's pages are copied into each group's first new block,
+        or taken over when the pool has no blocks to spare for copies (as in
+        KVCacheManager.allocate). Returns the new blocks."""
         if prefix is not None and seq.block_ids:
             raise ValueError("a prefix only applies to a sequence that holds no blocks")
         if prefix is not None and not seq.group_block_ids:
@@ -167,21 +185,27 @@ class HybridKVCacheManager(BlockPool):
         num_computed = prefix.num_tokens if prefix is not None else seq.num_computed_tokens
         required = self._blocks(num_computed + num_new_tokens)
         wanted = [max(required - len(table) - len(hit), 0) for table, hit in zip(tables, hits)]
-        reused = {b for hit in hits for b in hit if b != FREED and self.ref_cnt[b] == 0}
+        loads = [(g, i) for g, hit in enumerate(hits) for i, b in enumerate(hit) if b == ON_HOST]
+        reused = {b for hit in hits for b in hit if b >= 0 and self.ref_cnt[b] == 0}
         available = len(self.free_queue) - len(reused)
-        if sum(wanted) > available:
+        if sum(wanted) + len(loads) > available:
             return None
         for hit in hits:
             for block_id in hit:
-                if block_id == FREED:
+                if block_id < 0:  # FREED or ON_HOST
                     continue
                 if self.ref_cnt[block_id] == 0:
                     del self.free_queue[block_id]
                 self.ref_cnt[block_id] += 1
         pages: tuple[int, ...] = ()
-        if prefix is not None and prefix.entry is not None:
-            pages = self._resume_on(prefix.entry, available - sum(wanted))
+        if prefix is not None and prefix.entry is not None:  # first: the loads never take its pages
+            pages = self._resume_on(prefix.entry, available - sum(wanted) - len(loads))
         new_blocks: list[int] = []
+        if loads:
+            hits = [list(hit) for hit in hits]
+            new_blocks = self._load_from_host(loads, seq.update_block_hashes(self.block_size))
+            for (group, i), block_id in zip(loads, new_blocks):
+                hits[group][i] = block_id
         for group, (table, hit, count) in enumerate(zip(tables, hits, wanted)):
             table.extend(hit)
             added = [pages[group]] if pages else []
@@ -218,15 +242,21 @@ class HybridKVCacheManager(BlockPool):
                 block_id, block_hash = table[i], hashes[i]
                 if block_id == FREED or self.block_hash[block_id] is not None or block_hash in self.cached[group]:
                     continue
-                self.block_hash[block_id] = block_hash
-                self.block_group[block_id] = group
-                self.cached[group][block_hash] = block_id
-                if group == 0:
-                    self.parent_of[block_hash] = hashes[i - 1] if i else None
+                self._cache_block(block_id, group, block_hash, hashes[i - 1] if i else None)
         if self.record_events:
             self._flush_removed()
             self._events.append(BlockStored(hashes[start:num_full], hashes[start - 1] if start else None))
         self._registered[seq.key] = num_full
+
+    def _cache_block(self, block_id: int, group: int, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        self.block_hash[block_id] = block_hash
+        self.block_group[block_id] = group
+        self.cached[group][block_hash] = block_id
+        if group == 0:
+            self.parent_of[block_hash] = parent
+
+    def _hash_group(self, block_id: int) -> int:
+        return self.block_group[block_id]
 
     def _forget_hash(self, block_id: int) -> None:
         block_hash, group = self.block_hash[block_id], self.block_group[block_id]

@@ -134,7 +134,8 @@ class EngineLoop:
 
             cfg = self._config
             self._publisher = KVEventPublisher(
-                cfg.index_url, cfg.replica_id, cfg.served_name, cfg.block_size, snapshot=core.kv_snapshot
+                cfg.index_url, cfg.replica_id, cfg.served_name, cfg.block_size, snapshot=core.kv_snapshot,
+                host_snapshot=core.host_kv_snapshot,
             )
             self._publisher.start()
         self.snapshot = core.stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -10,14 +11,16 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.cuda_graphs import CarriedTokens, DecodeGraphs, decode_buckets
 from engine.kv_groups import group_tables, kv_layout
+from engine.kv_host import HostKVStore, HostTransfers
 from engine.prompt_logprobs import collect_prompt_logprobs
-from engine.protocol import SamplingParams
+from engine.protocol import SamplingParams, TokenLogprob
 from engine.request import Sequence
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, ScheduledSeq
 from engine.spec_decode import verify
+from engine.transfer import to_device
 
 
 class MemoryProfile(NamedTuple):
@@ -38,6 +41,88 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class HostTokens(NamedTuple):
+    buffer: torch.Tensor  # pinned int64
+    copied: torch.cuda.Event
+
+
+class StepClock:
+    """How long a step held the device: on CUDA, events around its work (the stream's time from the
+    end of the step before, or the step's first kernel if later, to its last: host time the stream
+    waits for a launch counts, the step being that slow); on the CPU, which computes as it launches,
+    the launch's wall time. Read once the step is done."""
+
+    def __init__(self, device: torch.device):
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if device.type == "cuda" else None
+        if self._events is not None:
+            self._events[0].record()
+        self._wall = [time.perf_counter()]
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._wall.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._wall[1] - self._wall[0]
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+class LaunchedStep:
+    """A step queued on the device (:meth:`ModelRunner.launch`): the sequences that sampled, their
+    tokens on the device (``tokens``, which the next step may read) and on their way to the host.
+    :meth:`resolve` waits for them there."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, logprobs: list[TokenLogprob | None],
+                 graphed: bool, host: HostTokens | None = None, clock: StepClock | None = None):
+        self.seqs = seqs
+        self.tokens = tokens
+        self.graphed = graphed  # replayed from a CUDA graph
+        self.rows = {seq.key: i for i, seq in enumerate(seqs)}
+        self._logprobs = logprobs
+        self._host = host
+        self._clock = clock
+        self._sampled: list[SampledToken] | None = None
+        if tokens is not None and host is not None:
+            host.buffer[: len(seqs)].copy_(tokens, non_blocking=True)
+            host.copied.record()
+        if clock is not None:
+            clock.stop()
+
+    @classmethod
+    def on_host(cls, sampled: list[SampledToken], graphed: bool, clock: StepClock | None = None) -> LaunchedStep:
+        """A step whose tokens are already on the host (verified drafts, or no token): it feeds no
+        next step from the device."""
+        step = cls([], None, [], graphed, clock=clock)
+        step._sampled = sampled
+        return step
+
+    def seconds(self) -> float | None:
+        """How long the step held the device (:class:`StepClock`), once resolved; None if unclocked."""
+        return None if self._clock is None else self._clock.seconds()
+
+    def resolve(self) -> list[SampledToken]:
+        """The step's tokens, once on the host (waits for the device the first time)."""
+        if self._sampled is None:
+            if self._host is not None:
+                self._host.copied.synchronize()
+                token_ids = self._host.buffer[: len(self.seqs)].tolist()
+            else:
+                token_ids = self.tokens.tolist()
+            self._sampled = [SampledToken(*row) for row in zip(self.seqs, token_ids, self._logprobs)]
+        return self._sampled
+
+
+def _carried(scheduled: list[ScheduledSeq], previous: LaunchedStep | None) -> CarriedTokens | None:
+    """The rows of ``scheduled`` whose one new token is pending, and where ``previous`` holds it."""
+    rows = [(i, previous.rows[seq.key]) for i, (seq, _) in enumerate(scheduled)
+            if seq.num_pending_tokens] if previous is not None else []
+    return CarriedTokens(previous.tokens, rows) if rows else None
 
 
 class ModelRunner:
@@ -69,10 +154,12 @@ class ModelRunner:
         self.layout = kv_layout(config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (groups share tensors)
         self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's group_size tensors
+        self.host_kv: HostKVStore | None = None  # the host tier's pages (--host-kv-cache-gib)
         self.sampler = Sampler(config.eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row
+        self._token_buffers: list[HostTokens] = []
 
     def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -87,6 +174,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_pages = self._new_kv_pages(num_blocks)
         self.kv_caches = self._per_layer(self.kv_pages)
+
+    def allocate_host_kv_cache(self, num_slots: int) -> None:
+        """Host pages for ``num_slots`` pool pages (after :meth:`allocate_kv_cache`)."""
+        self.host_kv = HostKVStore(self.kv_pages, num_slots)
+
+    def move_host_blocks(self, transfers: HostTransfers) -> None:
+        """Queue the host tier's copies (see :meth:`HostKVStore.run`; no sync on CUDA)."""
+        assert self.host_kv is not None, "allocate_host_kv_cache first"
+        self.host_kv.run(transfers)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -160,47 +256,68 @@ class ModelRunner:
         return graph_bytes
 
     # --- one step --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
-        """Run one step; sample for every sequence whose known tokens are now all computed (and
-        verify the drafts of those that have one). The prefill chunks of sequences that need
-        prompt logprobs get them here (eagerly, never in a graph)."""
+        """Run one step and wait for its tokens (:meth:`launch`, then resolve)."""
+        return self.launch(scheduled).resolve()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device; sample for every sequence whose tokens are then all
+        computed (and verify the drafts of those that have one). Waits for the device only where
+        the host needs a value (logprobs, prompt logprobs, drafts). A sequence whose token is still
+        pending (``num_pending_tokens``: overlapped scheduling) reads it from ``previous``'s tokens on
+        the device. The prefill chunks of sequences that need prompt logprobs get them here (eagerly,
+        never in a graph)."""
+        clock = StepClock(self.device)
         if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
             seqs = [seq for seq, _ in scheduled]
             q = self.verify_graphs.query_len
             logits = self.verify_graphs.run(seqs).logits
             rows = [i * q + j for i, seq in enumerate(seqs) for j in range(1 + len(seq.draft_ids))]
-            return self._verified(logits[torch.tensor(rows, device=self.device)], seqs)
+            rows = to_device(rows, torch.int64, self.device)
+            return LaunchedStep.on_host(self._verified(logits[rows], seqs), True, clock)
+        carried = _carried(scheduled, previous)
         graphs = self.decode_graphs
         prompt_logprobs = any(seq.needs_prompt_logprobs for seq, _ in scheduled)
-        if (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
-                and all(n == 1 for _, n in scheduled)):
-            logits, greedy = graphs.run([seq for seq, _ in scheduled])
+        graphed = (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
+                   and all(n == 1 for _, n in scheduled))
+        if graphed:
+            logits, greedy = graphs.run([seq for seq, _ in scheduled], carried)
             sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
             if not sample_rows:
-                return []
+                return LaunchedStep.on_host([], graphed, clock)
             sampling_seqs = [scheduled[i].seq for i in sample_rows]
             if len(sample_rows) < logits.shape[0]:
-                rows = torch.tensor(sample_rows, device=self.device)
+                rows = to_device(sample_rows, torch.int64, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer (no grammar)
-                return [SampledToken(seq, tok, None) for seq, tok in zip(sampling_seqs, greedy.tolist())]
+                return LaunchedStep(sampling_seqs, greedy, [None] * len(sampling_seqs), graphed, self._host_tokens(),
+                                    clock)
         else:
-            hidden, sample_rows, sampling_seqs = self._run_eager(scheduled)
+            hidden, sample_rows, sampling_seqs = self._run_eager(scheduled, carried)
             if prompt_logprobs:
                 collect_prompt_logprobs(self.model.compute_logits, hidden, scheduled)
             if not sample_rows:
-                return []
+                return LaunchedStep.on_host([], graphed, clock)
             if len(sample_rows) < hidden.shape[0]:
-                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+                hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
             logits = self.model.compute_logits(hidden)
             if any(seq.draft_ids for seq in sampling_seqs):
-                return self._verified(logits, sampling_seqs)
-        out = self.sampler(logits, sampling_seqs)
-        return [
-            SampledToken(seq, tok, lp)
-            for seq, tok, lp in zip(sampling_seqs, out.token_ids, out.logprobs)
-        ]
+                return LaunchedStep.on_host(self._verified(logits, sampling_seqs), graphed, clock)
+        tokens, logprobs = self.sampler.sample(logits, sampling_seqs)
+        return LaunchedStep(sampling_seqs, tokens, logprobs, graphed, self._host_tokens(), clock)
+
+    def _host_tokens(self) -> HostTokens | None:
+        """The pinned buffer and event a step's tokens come back through (CUDA; two in turn: one
+        step's are read while the next one's are on their way)."""
+        if self.device.type != "cuda":
+            return None
+        if not self._token_buffers:
+            rows = self.max_num_seqs * (1 + self.num_speculative_tokens)
+            self._token_buffers = [HostTokens(torch.empty(rows, dtype=torch.int64, pin_memory=True),
+                                              torch.cuda.Event()) for _ in range(2)]
+        self._token_buffers.reverse()
+        return self._token_buffers[0]
 
     def _verifies_in_graph(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the verification graphs run this step: every sequence decodes (its last token,
@@ -220,10 +337,10 @@ class ModelRunner:
     ) -> AttentionMetadata:
         dev = self.device
         return AttentionMetadata(
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=to_device(block_tables, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=query_start,
             max_query_len=max_query_len,
@@ -250,10 +367,13 @@ class ModelRunner:
         groups[0].groups = tuple(groups)
         return groups[0]
 
-    def _run_eager(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
+    def _run_eager(
+        self, scheduled: list[ScheduledSeq], carried: CarriedTokens | None = None
+    ) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         """A varlen batch of any mix of prefills and decodes: hidden states of every new token,
         the rows to sample (the last token of each sequence that is now fully computed, and each
-        of its draft tokens) and their sequences."""
+        of its draft tokens) and their sequences. ``carried``: the sequences (by row of
+        ``scheduled``) whose one new token is still on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
@@ -264,7 +384,9 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             drafts = seq.draft_ids  # scheduled whole after the sequence's last token
-            input_ids.extend(seq.all_token_ids[start : end - len(drafts)])
+            known = seq.all_token_ids[start : end - len(drafts)]
+            input_ids.extend(known)
+            input_ids.extend([0] * (end - len(drafts) - start - len(known)))  # a pending token: carried
             input_ids.extend(drafts)
             positions.extend(range(start, end))
             seq_lens.append(end)
@@ -275,9 +397,14 @@ class ModelRunner:
 
         dev = self.device
         attn = self._group_metadata(scheduled, seq_lens, query_start, max(n for _, n in scheduled))
+        ids = to_device(input_ids, torch.int64, dev)
+        if carried is not None:  # a decode row's one token is the last of its row
+            rows = [(query_start[i + 1] - 1, src) for i, src in carried.rows]
+            dst, src = to_device(rows, torch.int64, dev).unbind(1)
+            CarriedTokens(carried.tokens, rows).scatter(ids, dst, src)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            ids,
+            to_device(positions, torch.int64, dev),
             attn,
             self.kv_caches,
         )

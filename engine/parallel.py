@@ -40,7 +40,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, context_limit, resolve_dtype
-from engine.cuda_graphs import DecodeGraphs, DecodeOutput, decode_buckets
+from engine.cuda_graphs import CarriedTokens, DecodeGraphs, DecodeOutput, decode_buckets
 from engine.logs import configure_logging
 from engine.model_runner import ModelRunner
 from engine.models.tp import TensorParallelLM, shard_model
@@ -215,12 +215,13 @@ class RankDecodeGraphs(DecodeGraphs):
             dist.broadcast(buffer, src=0, group=self.group)
         return super()._forward(batch_size, context_bound, seq_lens_cpu)
 
-    def run(self, seqs: list[Sequence]) -> DecodeOutput:
-        """Rank 0's step: as DecodeGraphs.run, the followers told which graph first."""
+    def run(self, seqs: list[Sequence], carried: CarriedTokens | None = None) -> DecodeOutput:
+        """Rank 0's step: as DecodeGraphs.run, the followers told which graph first (the graph's
+        broadcast of the input ids carries the tokens of ``carried`` to them)."""
         seq_lens = [seq.num_computed_tokens + 1 for seq in seqs]
         key = self.graph_key(len(seqs), max(seq_lens))
         self.followers.send(DecodeReplay(key, seq_lens + [0] * (key[0] - len(seqs))))
-        return super().run(seqs)
+        return super().run(seqs, carried)
 
     def replay(self, msg: DecodeReplay) -> None:
         """A follower's step: the graph rank 0 replays."""

@@ -279,6 +279,14 @@ class EngineStats:
     # its window, so its share shrinks as the context grows); an older engine sends neither.
     kv_group_windows: list[int] = field(default_factory=list)
     kv_bytes_per_token_by_group: list[int] = field(default_factory=list)
+    # The prompt tokens a step beside running decodes may hold now: the fitted mixed-prefill budget
+    # (engine.mixed_budget), max_num_batched_tokens when that is off; an older engine omits it.
+    mixed_prefill_budget: int = 0
+    # The host-memory KV tier (--host-kv-cache-gib; all 0 without one, and from an older engine):
+    num_host_blocks: int = 0  # blocks it holds at most
+    num_host_cached_blocks: int = 0  # blocks it holds now
+    host_offloaded_blocks: int = 0  # blocks copied to it since start (evicted from the pool)
+    host_loaded_blocks: int = 0  # blocks copied back from it since start (prefix hits)
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}
@@ -286,7 +294,8 @@ class EngineStats:
     @classmethod
     def from_wire(cls, wire: Any) -> EngineStats:
         """Parse a /stats body; raises :class:`ProtocolError` naming the first missing or mistyped field.
-        Fields it does not know are ignored: a newer engine may report more."""
+        Fields it does not know are ignored: a newer engine may report more; an optional one (with a
+        default) may be missing: an older engine reports fewer."""
         if not isinstance(wire, dict):
             raise ProtocolError(f"stats must be a map, got {type(wire).__name__}")
         values = {}
@@ -351,7 +360,8 @@ _STATS_FIELDS = {
     f.name: {"str": _check_str, "int": _check_int, "float": _check_float, "list[int]": _check_counts}[f.type]
     for f in dataclasses.fields(EngineStats)
 }
-_STATS_OPTIONAL = {f.name for f in dataclasses.fields(EngineStats) if f.default_factory is not dataclasses.MISSING}
+_STATS_OPTIONAL = {f.name for f in dataclasses.fields(EngineStats)
+                   if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 

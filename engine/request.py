@@ -36,6 +36,10 @@ class Sequence:
     ``all_token_ids`` (scheduled as extra new tokens; empty between steps) and ``ngram`` is the
     proposer's index of this sequence's tokens. Only committed tokens ever enter ``all_token_ids``.
 
+    With overlapped scheduling (:mod:`engine.core`), a step's sampled token may still be on the device
+    when the next step is planned: ``num_pending_tokens`` (0 or 1) counts it in ``num_tokens`` (the
+    next step computes its KV, reading the id on the device) until the scheduler records it.
+
     Sequence 0 of a request with ``sampling.prompt_logprobs`` collects them in ``prompt_logprobs``
     (the model runner appends each prefill chunk's) and is served no cached prefix until it has them
     all (:attr:`needs_prompt_logprobs`): cached KV holds no logits.
@@ -45,7 +49,7 @@ class Sequence:
         "request_id", "index", "prompt_ids", "output_ids", "all_token_ids", "sampling", "salt",
         "cache_boundaries", "generator", "status", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "group_block_ids", "block_hashes", "finish_reason", "error", "pending_logprobs",
-        "num_sent_tokens", "matcher", "prompt_logprobs", "draft_ids", "ngram",
+        "num_sent_tokens", "matcher", "prompt_logprobs", "draft_ids", "ngram", "num_pending_tokens",
     )
 
     def __init__(
@@ -71,6 +75,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_pending_tokens = 0
         # Only extended while the blocks are held; freeing them replaces the list (DecodeGraphs
         # copies a row of its block table only from where the list it knows grew).
         self.block_ids: list[int] = []
@@ -91,7 +96,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from engine.protocol import SamplingParams, TokenLogprob
 from engine.structured import TokenMasks
+from engine.transfer import to_device
 
 if TYPE_CHECKING:
     import xgrammar
@@ -56,6 +57,14 @@ class Sampler:
         self.masks = TokenMasks()
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> SamplerOutput:
+        tokens, logprobs = self.sample(logits, seqs)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """As calling the sampler, the tokens left on the logits' device (``[num_seqs]`` int64): only
+        rows that ask for logprobs wait for the device."""
         _check_batch(logits, seqs)
         self.masks.apply(logits, [s.matcher for s in seqs])
         logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
@@ -73,7 +82,7 @@ class Sampler:
             top = _token_logprobs(raw_logprobs, _rows(tokens, logprob_rows), ks)
             for i, lp in zip(logprob_rows, top):
                 logprobs[i] = lp
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return tokens, logprobs
 
     def plain_greedy(self, seqs: Sequence[SamplingSeq]) -> bool:
         """Whether every row's token is the argmax of its raw logits and no row asks for
@@ -100,7 +109,7 @@ class Sampler:
         greedy_rows, random_rows, weights = self._process(logits, seqs)
         out = torch.zeros_like(logits)
         if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
+            rows = to_device(greedy_rows, torch.int64, logits.device)
             out[rows, _rows(logits, greedy_rows).argmax(-1)] = 1.0
         if random_rows:
             _put(out, random_rows, weights / weights.sum(-1, keepdim=True))
@@ -160,7 +169,7 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]``; ``t`` itself, not a copy, when ``rows`` is every row."""
     if len(rows) == t.shape[0]:
         return t
-    return t.index_select(0, torch.tensor(rows, device=t.device))
+    return t.index_select(0, to_device(rows, torch.int64, t.device))
 
 
 def _put(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
@@ -168,18 +177,18 @@ def _put(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
     if len(rows) == dst.shape[0]:
         dst.copy_(src)
     else:
-        dst.index_copy_(0, torch.tensor(rows, device=dst.device), src)
+        dst.index_copy_(0, to_device(rows, torch.int64, dst.device), src)
 
 
 def _index(
     rows: list[int], token_ids: list[int], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token id) pairs as an advanced index into ``like``."""
-    return torch.tensor(rows, device=like.device), torch.tensor(token_ids, device=like.device)
+    return to_device(rows, torch.int64, like.device), to_device(token_ids, torch.int64, like.device)
 
 
 def _values(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return to_device(values, like.dtype, like.device)
 
 
 def _token_index(
@@ -192,8 +201,8 @@ def _token_index(
     # numpy reads Python ints several times faster than torch.tensor does.
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
     device = like.device
-    index = (torch.tensor(rows)[which].to(device), torch.from_numpy(flat).to(device))
-    return index, which.to(device)
+    index = (to_device(torch.tensor(rows)[which], torch.int64, device), to_device(flat, torch.int64, device))
+    return index, to_device(which, torch.int64, device)
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
@@ -256,7 +265,7 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         head = logits.topk(max_k, dim=-1).values
     else:
         head = logits.sort(dim=-1, descending=True).values
-    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
+    k = to_device(top_k, torch.int64, logits.device).unsqueeze(1)
     num_kept = k
     if any(p < 1.0 for p in top_p):
         positions = torch.arange(head.shape[1], device=logits.device)

@@ -202,11 +202,11 @@ class Sidecar:
         if (resp := self._not_ready()) is not None:
             return resp
         try:
-            counts = await self.engine.call(lambda core: core.check_integrity())
+            counts, host = await self.engine.call(lambda core: (core.check_integrity(), core.check_host_integrity()))
         except AssertionError as exc:
             log.error("integrity_check_failed", error=str(exc))
             return JSONResponse({"ok": False, "error": str(exc)}, status_code=500)
-        return JSONResponse({"ok": True, **counts._asdict()})
+        return JSONResponse({"ok": True, **counts._asdict(), "host": host._asdict() if host is not None else None})
 
     async def prometheus(self, request: Request) -> Response:
         snap = self.engine.snapshot

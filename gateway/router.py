@@ -6,7 +6,9 @@ Policies (``--routing``):
   the work queued there, its uncached prompt tokens (one prefix index lookup of the prompt's
   block hashes) and the cached tokens it would recompute, among the replicas where the request's
   first token comes within ``--prefix-load-bound`` tokens of the soonest one (known queue plus its
-  own uncached tokens). Without an answer from the index it routes on the queues alone. The queue
+  own uncached tokens). Cached tokens in an engine's host-memory tier (``--host-kv-cache-gib``)
+  count as reused, at ``HOST_HIT_COST`` of a computed token each: cheaper than recompute, dearer
+  than a hit in the engine's KV pool. Without an answer from the index it routes on the queues alone. The queue
   known to wait there (this gateway's requests before their first token, other gateways' requests
   from the engine's /stats) sets the bound; the score takes the larger of it and what the
   replica's utilization predicts (:func:`expected_queue`): between the turns of its conversations a
@@ -36,7 +38,7 @@ import structlog
 
 from gateway.replica import Replica
 from prefix_index.hashing import BlockHash, block_hashes
-from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index, redact_url
+from prefix_index.index import IndexUnavailableError, PrefixIndex, TierMatch, open_index, redact_url
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -60,8 +62,13 @@ INDEX_RETRY_S = 1.0
 TIMEOUTS_BEFORE_BACKOFF = 3
 # A cold client connects and loads its Lua scripts on first use: slower than a request may wait.
 CONNECT_TIMEOUT_S = 5.0
+NO_MATCH = TierMatch(0, 0)
 LOAD_EWMA_WEIGHT = 0.1  # of the latest request in the running mean of uncached prompt tokens
 MAX_UTILIZATION = 0.95  # caps the expected queue at 19 requests
+# What a prompt token served from an engine's host tier costs, in computed tokens: the copy back
+# over PCIe (an 8B model's 128 KiB of KV per token at ~50 GB/s) takes about a tenth of its
+# recompute (~40K tokens/s of prefill on an H200), rounded up for the step that waits on it.
+HOST_HIT_COST = 0.2
 
 
 class RouteRequest(NamedTuple):
@@ -135,14 +142,16 @@ class Candidate(NamedTuple):
     requests: int  # requests on it (the tie-breaker: decoding requests queue no prefill)
     expected_load_tokens: int = 0  # the queue its utilization predicts (see expected_queue)
     kv_footprint: float = 0.0  # share of its KV holding something (the next tie-breaker)
+    host_tokens: int = 0  # of cached_tokens, those its host tier holds (loaded back, not recomputed)
 
 
 def pick(candidates: Sequence[Candidate], load_bound: int, rng: random.Random) -> tuple[int, str]:
     """Index of the replica to use and the reason.
 
     The predicted work of a replica is what the request waits for there (its queue: the larger of
-    the known and the expected one, then its own uncached tokens) plus what choosing it wastes: the
-    tokens it recomputes that the best-cached replica holds. Least work wins (then fewest
+    the known and the expected one, then its own uncached tokens and ``HOST_HIT_COST`` of each
+    token it loads back from its host tier) plus what choosing it wastes: the tokens it recomputes
+    that the best-cached replica holds. Least work wins (then fewest
     requests, then the smallest KV footprint, then ``rng``'s draw) among the replicas where the
     request would reach its first
     token (known queue, then its own uncached tokens) at most ``load_bound`` tokens after the
@@ -164,7 +173,8 @@ def pick(candidates: Sequence[Candidate], load_bound: int, rng: random.Random) -
     def work(i: int) -> tuple[int, int, float, float]:
         c = candidates[i]
         queue = max(c.load_tokens, c.expected_load_tokens)
-        return queue + c.uncached_tokens + (most_cached - c.cached_tokens), c.requests, c.kv_footprint, draws[i]
+        own = c.uncached_tokens + HOST_HIT_COST * c.host_tokens
+        return queue + own + (most_cached - c.cached_tokens), c.requests, c.kv_footprint, draws[i]
 
     best = min((i for i in range(len(candidates)) if first_token[i] <= soonest + load_bound), key=work)
     if most_cached == 0:
@@ -220,12 +230,12 @@ class GuardedIndex:
         else:
             self._up()
 
-    async def lookup(self, hashes: list[BlockHash]) -> dict[str, int] | None:
-        """Matched blocks per live replica id, or None without an answer in time."""
+    async def lookup(self, hashes: list[BlockHash]) -> dict[str, TierMatch] | None:
+        """Matched blocks per live replica id, by tier, or None without an answer in time."""
         if time.monotonic() < self._retry_at:
             return None
         start = time.perf_counter()
-        matched = await self._guarded(self._index.lookup(hashes))
+        matched = await self._guarded(self._index.lookup_tiers(hashes))
         if matched is not None:
             self._metrics.index_lookup.observe(time.perf_counter() - start)
         return matched
@@ -274,7 +284,7 @@ class GuardedIndex:
 class PrefixRouter(Router):
     """Prefix-cache-aware routing over the shared index (see the module docstring).
 
-    Cache information comes from one :meth:`PrefixIndex.lookup` per request through a
+    Cache information comes from one :meth:`PrefixIndex.lookup_tiers` per request through a
     :class:`GuardedIndex` (``lookup_timeout_s``); without an answer the request is routed by load.
     After each choice the prompt's blocks are inserted as speculative entries of the chosen replica
     (``speculative_ttl_s``, in the background), so that concurrent requests with the same prefix,
@@ -315,12 +325,13 @@ class PrefixRouter(Router):
         matched = await self._index.lookup(hashes) if hashes else {}
         scored = []
         for r in candidates:
-            blocks = matched.get(r.replica_id, 0) if matched and r.replica_id else 0
-            cached = min(blocks * self._block_size, num_tokens - 1)  # one token is always computed
+            match = matched.get(r.replica_id, NO_MATCH) if matched and r.replica_id else NO_MATCH
+            cached = min(match.total * self._block_size, num_tokens - 1)  # one token is always computed
+            host = max(cached - match.device * self._block_size, 0)
             load = r.pending_prefill_tokens + round(r.other_requests * self._mean_uncached)
             expected = round(expected_queue(r.utilization) * self._mean_uncached)
             scored.append(Candidate(cached, num_tokens - cached, load, r.in_flight + r.other_requests, expected,
-                                    r.kv_footprint))
+                                    r.kv_footprint, host))
         best, reason = pick(scored, self._settings.load_bound_tokens, self._rng)
         chosen, score = candidates[best], scored[best]
         weight = LOAD_EWMA_WEIGHT if self._seen_requests else 1.0

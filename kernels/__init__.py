@@ -20,7 +20,7 @@ cannot take; the reference ops assume valid inputs.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +29,16 @@ BACKENDS = ("torch", "triton")
 # them by the weights upcast in registers. More rows are quantized for torch._scaled_mm, which
 # reads the weights once for all rows (a GEMV reads them once per row).
 FP8_GEMV_MAX_ROWS = 1
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorms of q and k before RoPE (Qwen3, Gemma 3): each head's ``head_dim`` values
+    normed in fp32 with ``eps``, times the weight, rounded to q's dtype (as ``rms_norm`` returns
+    them); RoPE then rotates the rounded values."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
 
 
 class KernelOps(Protocol):
@@ -95,12 +105,14 @@ class KernelOps(Protocol):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         """A decode-only step's attention, from the new tokens' projections to the output
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype: row ``i`` is sequence ``i``'s one new
-        token, at context position ``seq_lens[i] - 1``. RoPE on q and k, the new k/v written to the
-        cache at ``slot_mapping`` (in place), then attention over the whole context: exactly
-        ``rotary_embedding``, ``store_kv`` and ``paged_attention`` with one query per sequence.
+        token, at context position ``seq_lens[i] - 1``. RoPE on q and k (after ``qk_norm``), the new
+        k/v written to the cache at ``slot_mapping`` (in place), then attention over the whole
+        context: exactly ``rotary_embedding``, ``store_kv`` and ``paged_attention`` with one query
+        per sequence.
         ``q``/``k``/``v`` may be strided views of a fused qkv projection. A padding row
         (``slot_mapping[i] < 0``) must have ``seq_lens[i] == 0``; its output is zeros.
         ``seq_lens_cpu``, optional, only lets the lengths be checked against the table's capacity.
@@ -130,9 +142,11 @@ class KernelOps(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+        qk_norm: QKNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half RoPE (HF Llama convention), computed in fp32; returns new contiguous q, k.
-        ``q``/``k`` may be strided views (of a fused qkv). Positions must lie inside the cache."""
+        """Rotate-half RoPE (HF Llama convention), computed in fp32, of q and k (normed first by
+        ``qk_norm``, when given); returns new contiguous q, k. ``q``/``k`` may be strided views (of
+        a fused qkv). Positions must lie inside the cache."""
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d`` (gate then up)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import FP8_GEMV_MAX_ROWS
+from kernels import FP8_GEMV_MAX_ROWS, QKNorm
 
 # Decodes whose padded batch holds at most this many keys share one masked sdpa call; longer ones
 # take one call each. On the CPU (one thread, 4/2 heads of 64) the shared call is 2-4x as fast at
@@ -166,9 +166,9 @@ def decode_attention(
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, qk_norm)
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_seqs = q.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
@@ -199,7 +199,11 @@ def rope_cos_sin_cache(
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if qk_norm is not None:
+        q = rms_norm(q, qk_norm.q_weight, qk_norm.eps)[0]
+        k = rms_norm(k, qk_norm.k_weight, qk_norm.eps)[0]
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions)
     cos = cos_sin[:, None, :half]

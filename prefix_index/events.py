@@ -1,7 +1,10 @@
 """KV cache events: what an engine reports to the prefix index.
 
 The engine emits, once per step, the blocks it made reusable (:class:`BlockStored`), the blocks it
-evicted (:class:`BlockRemoved`) and a full reset (:class:`AllCleared`). A :class:`KVEventBatch`
+evicted (:class:`BlockRemoved`) and a full reset (:class:`AllCleared`). Stores and removals name
+the tier they happened in: ``DEVICE`` (the engine's KV pool: a hit costs nothing) or ``HOST`` (the
+host-memory tier: a hit costs a copy back, less than recomputing). The tiers are independent sets:
+a block may be held by both, and a lookup counts a block held by either. A :class:`KVEventBatch`
 carries them with the engine's replica id and its epoch, a number fixed per engine start: the index
 drops a replica's old entries when it sees a new epoch. Batches stay in the engine's process (the
 publisher applies them to the index); everything here is plain data that imports nothing, so the
@@ -16,22 +19,28 @@ from typing import Any
 
 from prefix_index.hashing import HASH_BYTES, BlockHash
 
+DEVICE, HOST = "device", "host"
+TIERS = (DEVICE, HOST)
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks that became reusable, in chain order: each one's parent is the block before it,
     and the first one's is ``parent_hash`` (None only for the first block of a sequence). The
-    Redis index relies on these parents to answer lookups by binary search."""
+    Redis index relies on these parents to answer lookups by binary search. ``HOST`` stores are
+    single blocks in no particular order: they carry no parent (None)."""
 
     block_hashes: Sequence[BlockHash]
     parent_hash: BlockHash | None = None
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks evicted from the replica's cache (order does not matter)."""
+    """Blocks evicted from one tier of the replica's cache (order does not matter)."""
 
     block_hashes: Sequence[BlockHash]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,8 @@ def check_batch(batch: KVEventBatch) -> None:
     for i, event in enumerate(batch.events):
         if isinstance(event, (BlockStored, BlockRemoved)):
             pack_block_hashes(event.block_hashes, f"events[{i}].block_hashes")
+            if event.tier not in TIERS:
+                raise ValueError(f"events[{i}].tier must be one of {', '.join(TIERS)}, got {event.tier!r}")
             if isinstance(event, BlockStored) and event.parent_hash is not None:
                 pack_block_hashes([event.parent_hash], f"events[{i}].parent_hash")
         elif not isinstance(event, AllCleared):

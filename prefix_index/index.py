@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 from prefix_index.events import KVEventBatch
@@ -43,6 +43,13 @@ INDEX_SCHEMES = MEMORY_SCHEMES + REDIS_SCHEMES + CLUSTER_SCHEMES
 # A replica silent this long is forgotten (entries, epoch, liveness) by the next heartbeat of any
 # replica; a live publisher that was forgotten gets heartbeat() == False and resyncs.
 DEFAULT_REAP_AFTER_S = 300.0
+
+
+class TierMatch(NamedTuple):
+    """A replica's matched prefix of a lookup, in blocks, by tier (see :mod:`prefix_index.events`)."""
+
+    device: int  # leading blocks its KV pool holds (durably or speculatively)
+    total: int  # leading blocks it holds in either tier (>= device): the rest come back from host memory
 
 
 class IndexUnavailableError(Exception):
@@ -85,23 +92,31 @@ class PrefixIndex(ABC):
         """Prefix of every key of this index; ``{model:block_size}`` is the cluster hash tag."""
         return f"{self.namespace}:{{{self.model}:{self.block_size}}}"
 
-    @abstractmethod
     async def lookup(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Matched prefix length, in blocks, of every live replica (0 included). Read-only.
+        """Matched prefix length, in blocks of the KV pool (the ``DEVICE`` tier), of every live
+        replica (0 included); see :meth:`lookup_tiers`."""
+        return {replica: match.device for replica, match in (await self.lookup_tiers(block_hashes)).items()}
 
-        A replica matches block i (durably or speculatively) only if it also matches blocks
-        0..i-1: a replica holding blocks 0, 1 and 3 of a prompt scores 2. Exact as long as
-        stored parents are right and speculative inserts are chains from block 0 (see
-        :meth:`apply` and :meth:`insert_speculative`). One round trip on Redis, any prompt length.
+    @abstractmethod
+    async def lookup_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, TierMatch]:
+        """Matched prefix length, in blocks, of every live replica (0 included), by tier. Read-only.
+
+        A replica matches block i in the device tier (durably or speculatively) only if it also
+        matches blocks 0..i-1 there: a replica holding blocks 0, 1 and 3 of a prompt scores 2.
+        Exact as long as stored parents are right and speculative inserts are chains from block 0
+        (see :meth:`apply` and :meth:`insert_speculative`). ``total`` counts the blocks held in
+        either tier the same way (a block missing from the pool may come from the host tier). One
+        round trip on Redis, any prompt length.
         """
 
     @abstractmethod
     async def apply(self, batch: KVEventBatch) -> None:
-        """Apply one replica's events in order, atomically.
+        """Apply one replica's events in order, atomically; each tier's stores and removals
+        change that tier's entries only.
 
         A batch whose epoch differs from the replica's recorded one first drops all of the
         replica's entries (durable and speculative) and records the new epoch: a restarted engine
-        never inherits its predecessor's cache. ``AllCleared`` drops both kinds too; stores and
+        never inherits its predecessor's cache. ``AllCleared`` drops every kind and tier; stores and
         removals leave speculative entries to expire. Liveness is untouched. ``BlockStored``
         parents must be right (see its docstring): lookups on Redis trust them.
         """

@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Sequence
 
 from prefix_index.events import (
+    DEVICE,
+    HOST,
     AllCleared,
     BlockStored,
     KVEventBatch,
@@ -22,21 +24,23 @@ from prefix_index.events import (
     pack_block_hashes,
 )
 from prefix_index.hashing import BlockHash
-from prefix_index.index import PrefixIndex, ttl_ms
+from prefix_index.index import PrefixIndex, TierMatch, ttl_ms
 
 
 class _Store:
-    __slots__ = ("lock", "blocks", "spec", "live", "epochs", "__weakref__")
+    __slots__ = ("lock", "blocks", "host", "spec", "live", "epochs", "__weakref__")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.blocks: dict[str, set[BlockHash]] = {}
+        self.host: dict[str, set[BlockHash]] = {}  # the replicas' host tiers
         self.spec: dict[str, dict[BlockHash, int]] = {}  # replica -> block -> expiry (ms)
         self.live: dict[str, int] = {}  # replica -> heartbeat expiry (ms)
         self.epochs: dict[str, int] = {}
 
     def forget_entries(self, replica_id: str) -> None:
         self.blocks.pop(replica_id, None)
+        self.host.pop(replica_id, None)
         self.spec.pop(replica_id, None)
 
 
@@ -60,23 +64,26 @@ class MemoryPrefixIndex(PrefixIndex):
                 store = _stores[(url, self.key_prefix)] = _Store()
         self._store = store
 
-    async def lookup(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+    async def lookup_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, TierMatch]:
         pack_block_hashes(block_hashes)
         s = self._store
         now = _now_ms()
-        matched: dict[str, int] = {}
+        matched: dict[str, TierMatch] = {}
         with s.lock:
             for replica_id, expiry in s.live.items():
                 if expiry <= now:
                     continue
                 held = s.blocks.get(replica_id, ())
+                host = s.host.get(replica_id, ())
                 spec = s.spec.get(replica_id, {})
-                n = 0
+                device = total = 0
                 for h in block_hashes:
-                    if h not in held and spec.get(h, 0) <= now:
+                    if h in held or spec.get(h, 0) > now:
+                        device += total == device
+                    elif h not in host:
                         break
-                    n += 1
-                matched[replica_id] = n
+                    total += 1
+                matched[replica_id] = TierMatch(device, total)
         return matched
 
     async def apply(self, batch: KVEventBatch) -> None:
@@ -87,15 +94,16 @@ class MemoryPrefixIndex(PrefixIndex):
             if s.epochs.get(replica_id) != batch.epoch:
                 s.forget_entries(replica_id)
                 s.epochs[replica_id] = batch.epoch
-            held = s.blocks.setdefault(replica_id, set())
+            tiers = {DEVICE: s.blocks.setdefault(replica_id, set()), HOST: s.host.setdefault(replica_id, set())}
             for event in batch.events:
                 if isinstance(event, AllCleared):
-                    held.clear()
+                    for held in tiers.values():
+                        held.clear()
                     s.spec.pop(replica_id, None)
                 elif isinstance(event, BlockStored):
-                    held.update(event.block_hashes)
+                    tiers[event.tier].update(event.block_hashes)
                 else:
-                    held.difference_update(event.block_hashes)
+                    tiers[event.tier].difference_update(event.block_hashes)
 
     async def clear(self, replica_id: str) -> None:
         check_replica_id(replica_id)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import structlog
 
 from prefix_index.events import (
+    HOST,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -61,9 +62,10 @@ class KVEventPublisher:
     """Publishes one engine's KV events to the prefix index at ``index_url``.
 
     ``snapshot()`` returns ``(block_hash, parent_hash)`` for every block the engine can reuse now
-    (``parent_hash`` None for a sequence's first block), best in insertion order so that chains
-    stay together. It is called from the publisher's thread, so it must be thread-safe and return
-    a copy (``list(d.items())`` of a dict is atomic under the GIL). ``epoch`` defaults to the start
+    from its KV pool (``parent_hash`` None for a sequence's first block), best in insertion order
+    so that chains stay together; ``host_snapshot()`` (None: no host tier) the hashes its host
+    tier holds. Both are called from the publisher's thread, so they must be thread-safe and
+    return a copy (``list(d.items())`` of a dict is atomic under the GIL). ``epoch`` defaults to the start
     time in nanoseconds: a restarted engine gets a new one and the index drops its predecessor's
     entries.
 
@@ -81,6 +83,7 @@ class KVEventPublisher:
         heartbeat_s: float = 2.0,
         *,
         snapshot: Callable[[], Iterable[tuple[BlockHash, BlockHash | None]]],
+        host_snapshot: Callable[[], list[BlockHash]] | None = None,
         epoch: int | None = None,
         max_pending_steps: int = 4096,
         namespace: str = DEFAULT_NAMESPACE,
@@ -96,6 +99,7 @@ class KVEventPublisher:
         self.replica_id = replica_id
         self.epoch = time.time_ns() if epoch is None else epoch
         self._snapshot = snapshot
+        self._host_snapshot = host_snapshot
         self._heartbeat_s = heartbeat_s
         self._max_pending = max_pending_steps
         self._pending: deque[Sequence[KVEvent]] = deque()
@@ -191,10 +195,11 @@ class KVEventPublisher:
         self._needs_resync = False
         self._pending.clear()
         chains = _chains(self._snapshot())
-        await self._write([AllCleared(), *chains])
+        host = self._host_snapshot() if self._host_snapshot is not None else []
+        await self._write([AllCleared(), *chains, *([BlockStored(host, None, HOST)] if host else [])])
         self._resyncs += 1
         num_blocks = sum(len(c.block_hashes) for c in chains)
-        log.info("kv_index_resynced", replica_id=self.replica_id, num_blocks=num_blocks)
+        log.info("kv_index_resynced", replica_id=self.replica_id, num_blocks=num_blocks, num_host_blocks=len(host))
 
     async def _write_pending(self) -> bool:
         """Write everything queued; True if there was anything."""
@@ -275,9 +280,9 @@ def _slices(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
                 batch, room = [], _MAX_HASHES_PER_WRITE
             piece = hashes[start : start + room]
             if isinstance(event, BlockStored):
-                batch.append(BlockStored(piece, hashes[start - 1] if start else event.parent_hash))
+                batch.append(BlockStored(piece, hashes[start - 1] if start else event.parent_hash, event.tier))
             else:
-                batch.append(BlockRemoved(piece))
+                batch.append(BlockRemoved(piece, event.tier))
             start += len(piece)
             room -= len(piece)
     if batch:

@@ -10,6 +10,7 @@ Keys, all under ``P = {namespace}:{{model}:{block_size}}`` (one cluster slot per
 - ``P:holes:<replica>``    set of blocks not held that have held children
 - ``P:spec:<replica>``     sorted set, block -> expiry (ms) of speculative entries; the key expires
   with its latest entry and heartbeats trim expired members
+- ``P:host:<replica>``     set of blocks the replica's host tier holds (``HOST`` events)
 
 Why parents: while a replica has no holes, the blocks it holds are closed under "parent of", so
 along any prompt "held" is true up to some position and false after it, and a lookup finds that
@@ -17,7 +18,9 @@ position by binary search: about 12 probes per replica instead of one per block.
 entries are inserted for whole prompts from their first block and keep the latest expiry, so they
 are prefix-closed too and are binary-searched the same way; the matched length is the larger of
 the two. A replica with holes (a parent evicted before its children) is walked block by block,
-which is exact whatever it holds. Clearing a replica is one UNLINK of its keys, without SCAN.
+which is exact whatever it holds. A lookup walks the host tier the same way, from where the device
+tier's match ends, only for replicas that have one. Clearing a replica is one UNLINK of its keys,
+without SCAN.
 
 Hashes travel as one concatenated string (16 bytes each) rather than one argument per hash, which
 keeps the client's encoding and the script's argument setup cheap. Expiry uses the server clock
@@ -42,6 +45,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from prefix_index.events import (
+    HOST,
     AllCleared,
     BlockStored,
     KVEventBatch,
@@ -51,7 +55,7 @@ from prefix_index.events import (
     pack_block_hashes,
 )
 from prefix_index.hashing import HASH_BYTES, BlockHash
-from prefix_index.index import CLUSTER_SCHEMES, IndexUnavailableError, PrefixIndex, ttl_ms
+from prefix_index.index import CLUSTER_SCHEMES, IndexUnavailableError, PrefixIndex, TierMatch, ttl_ms
 
 # The index must never hold up routing: fail within about a second and retry once, which is
 # enough to replace a pooled connection that a Redis restart broke. URL query options override.
@@ -61,7 +65,7 @@ _CLIENT_DEFAULTS: dict[str, Any] = {
     "retry": Retry(NoBackoff(), 1),
 }
 _NO_PARENT = b"\x00" * HASH_BYTES
-_REPLICA_KEY_KINDS = ("parent", "children", "holes", "spec")  # as replica_keys() in Lua
+_REPLICA_KEY_KINDS = ("parent", "children", "holes", "spec", "host")  # as replica_keys() in Lua
 
 # Shared by all scripts: ARGV[1] is the key prefix, ARGV[2] the hash size in bytes.
 _LUA_COMMON = """
@@ -77,11 +81,12 @@ end
 local function replica_keys(replica)
   local p = prefix .. ':'
   return p .. 'parent:' .. replica, p .. 'children:' .. replica, p .. 'holes:' .. replica,
-    p .. 'spec:' .. replica
+    p .. 'spec:' .. replica, p .. 'host:' .. replica
 end
 """
 
-# KEYS[1] live; ARGV[3] concatenated hashes -> {replica, matched blocks, ...} for live replicas.
+# KEYS[1] live; ARGV[3] concatenated hashes -> {replica, device blocks, total blocks, ...} for live
+# replicas.
 _LOOKUP = (
     "#!lua flags=no-writes\n"
     + _LUA_COMMON
@@ -119,17 +124,19 @@ local function leading(held, hint)
   end
   return lo
 end
--- Exact for any contents: block by block, in growing chunks, until the first miss.
-local function walk(pkey, skey, has_spec)
-  local matched, step = 0, 16
+-- Exact for any contents: block by block from ``matched``, in growing chunks, until the first
+-- miss; with ``xkey`` (a host tier) a block it holds counts too.
+local function walk(pkey, skey, has_spec, xkey, matched)
+  local step = 16
   while matched < n do
     local first, last = matched + 1, math.min(n, matched + step)
     local args = {}
     for i = first, last do args[#args + 1] = h(i) end
     local parents = redis.call('HMGET', pkey, unpack(args))
     local expiry = has_spec and redis.call('ZMSCORE', skey, unpack(args))
+    local host = xkey and redis.call('SMISMEMBER', xkey, unpack(args))
     for j = 1, #args do
-      if not (parents[j] or (expiry and expiry[j] and tonumber(expiry[j]) > now)) then
+      if not (parents[j] or (expiry and expiry[j] and tonumber(expiry[j]) > now) or (host and host[j] == 1)) then
         return matched
       end
       matched = matched + 1
@@ -141,11 +148,11 @@ end
 local out = {}
 local hint = 0  -- the last replica's durable match
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
-  local pkey, _, hkey, skey = replica_keys(replica)
+  local pkey, _, hkey, skey, xkey = replica_keys(replica)
   local has_spec = redis.call('EXISTS', skey) == 1
   local matched
   if redis.call('EXISTS', hkey) == 1 then
-    matched = walk(pkey, skey, has_spec)
+    matched = walk(pkey, skey, has_spec, nil, 0)
   else
     matched = leading(function(i) return redis.call('HEXISTS', pkey, h(i)) == 1 end, hint)
     if matched > 0 then hint = matched end
@@ -158,8 +165,13 @@ for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf'
       matched = leading(spec_held, matched + 1)
     end
   end
+  local total = matched
+  if matched < n and redis.call('EXISTS', xkey) == 1 then
+    total = walk(pkey, skey, has_spec, xkey, matched)
+  end
   out[#out + 1] = replica
   out[#out + 1] = matched
+  out[#out + 1] = total
 end
 return out
 """
@@ -168,16 +180,17 @@ return out
 LOOKUP_SHA = hashlib.sha1(_LOOKUP.encode()).hexdigest()  # names lookups in Redis's slow log and stats
 
 # KEYS[1] live; ARGV[3] replica, ARGV[4] epoch, ARGV[5] one op per event (S store, R remove,
-# C clear), ARGV[6] the hash count of each event, ARGV[7] the hashes of all events, each store
-# event preceded by its parent (NO_PARENT for a first block).
+# C clear; H and X store and remove in the host tier), ARGV[6] the hash count of each event,
+# ARGV[7] the hashes of all events, each S event preceded by its parent (NO_PARENT for a first
+# block).
 _APPLY = (
     _LUA_COMMON
     + """
 local replica, epoch, ops, blob = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
-local pkey, ckey, hkey, skey = replica_keys(replica)
+local pkey, ckey, hkey, skey, xkey = replica_keys(replica)
 local ekey = prefix .. ':epochs'
 if redis.call('HGET', ekey, replica) ~= epoch then
-  redis.call('UNLINK', pkey, ckey, hkey, skey)
+  redis.call('UNLINK', pkey, ckey, hkey, skey, xkey)
   redis.call('HSET', ekey, replica, epoch)
 end
 local function store(block, parent, parent_held)
@@ -206,7 +219,14 @@ for count in string.gmatch(ARGV[6], '%d+') do
   local op = string.sub(ops, e, e)
   count = tonumber(count)
   if op == 'C' then
-    redis.call('UNLINK', pkey, ckey, hkey, skey)
+    redis.call('UNLINK', pkey, ckey, hkey, skey, xkey)
+  elseif op == 'H' or op == 'X' then
+    local args = {}
+    for i = 0, count - 1 do args[#args + 1] = hash_at(blob, pos + i) end
+    for first = 1, #args, 1024 do
+      redis.call(op == 'H' and 'SADD' or 'SREM', xkey, unpack(args, first, math.min(#args, first + 1023)))
+    end
+    pos = pos + count
   elseif op == 'S' then
     local parent = hash_at(blob, pos)
     for i = 1, count do
@@ -310,9 +330,9 @@ class RedisPrefixIndex(PrefixIndex):
             script(keys=self._keys, args=(self.key_prefix, HASH_BYTES, *args))
         )
 
-    async def lookup(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+    async def lookup_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, TierMatch]:
         flat = await self._run(self._lookup, pack_block_hashes(block_hashes))
-        return {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        return {flat[i].decode(): TierMatch(flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
 
     async def apply(self, batch: KVEventBatch) -> None:
         check_batch(batch)
@@ -322,7 +342,9 @@ class RedisPrefixIndex(PrefixIndex):
                 ops.append("C")
                 counts.append("0")
                 continue
-            if isinstance(event, BlockStored):
+            if event.tier == HOST:
+                ops.append("H" if isinstance(event, BlockStored) else "X")
+            elif isinstance(event, BlockStored):
                 ops.append("S")
                 hashes.append(event.parent_hash or _NO_PARENT)
             else:

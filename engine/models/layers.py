@@ -18,7 +18,7 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_groups import kv_layout
 from engine.models.rope import rope_cos_sin_cache
-from kernels import KernelOps
+from kernels import KernelOps, QKNorm
 
 
 # Weights start uninitialized (torch.empty): the loader overwrites every one, and both a random
@@ -63,15 +63,11 @@ class RMSNorm(nn.Module):
         when ``gated``): ``(out, residual)``."""
         return self.ops.norm_linear(x, self.weight, self.eps, residual, weight, gated)
 
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm of each head of ``x [tokens, heads, head_dim]`` (q/k norms; no residual)."""
-        return self.ops.rms_norm(x.contiguous(), self.weight, self.eps)[0]
-
 
 class Attention(nn.Module):
     """Grouped-query attention of one layer over its paged KV cache, with the layer's sliding
     window (0: none) and RoPE table. Families change how the fused qkv rows become q, k and v
-    (:meth:`split_heads`: biases, q/k norms)."""
+    (:meth:`split_heads`: biases) and may norm q and k before RoPE (:meth:`qk_norm`)."""
 
     def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, factory: dict) -> None:
         super().__init__()
@@ -103,6 +99,10 @@ class Attention(nn.Module):
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
         )
 
+    def qk_norm(self) -> QKNorm | None:
+        """The per-head q/k norms the RoPE op applies first (none here)."""
+        return None
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -116,14 +116,15 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(qkv)
         attn = attn.group(self.kv_group)
         window = self.window or None
-        if attn.fused_decode:  # RoPE, the K/V store and attention in one launch
+        qk_norm = self.qk_norm()
+        if attn.fused_decode:  # the q/k norms, RoPE, the K/V store and attention in one launch
             out = self.ops.decode_attention(
                 positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping,
                 attn.block_tables, attn.seq_lens, self.scale, attn.seq_lens_cpu, sliding_window=window,
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, qk_norm=qk_norm,
             )
         else:
-            q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+            q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, qk_norm)
             self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
             # the new chunks' keys and values are read from k and v (contiguous rows), the prefix from pages
             out = self.ops.paged_attention(
@@ -142,9 +143,8 @@ class QKNormAttention(Attention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, factory)
 
-    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().split_heads(qkv)
-        return self.q_norm.heads(q), self.k_norm.heads(k), v
+    def qk_norm(self) -> QKNorm:
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class GatedMLP(nn.Module):

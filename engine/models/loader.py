@@ -33,6 +33,7 @@ DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
 # llama.cpp tensor names -> Hugging Face names (per layer: blk.N.<key> -> model.layers.N.<value>).
+_GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, read into the config
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -180,12 +181,24 @@ def _gguf_field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
     return field.contents()
 
 
-def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str) -> RopeScaling | None:
+def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int) -> RopeScaling | None:
+    """Linear or YaRN from the metadata, or Llama 3's from ``rope_freqs.weight``: llama.cpp's
+    convert_hf_to_gguf stores llama3 scaling as one factor per frequency, each inverse frequency
+    divided by its factor."""
+    from gguf.quants import dequantize
+
     kind = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    freqs = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
+    if freqs is not None:
+        if arch != "llama" or kind != "none":
+            raise ModelLoadError(f"GGUF tensor {_GGUF_ROPE_FREQS!r} is supported for plain llama RoPE only, "
+                                 f"not for {arch!r} with rope.scaling.type {kind!r}")
+        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1).tolist()
+        if len(factors) != head_dim // 2 or min(factors) <= 0:
+            raise ModelLoadError(f"GGUF tensor {_GGUF_ROPE_FREQS!r} needs {head_dim // 2} positive factors, "
+                                 f"got {len(factors)} (smallest {min(factors, default=None)})")
+        return RopeScaling("llama3", max(factors), freq_factors=tuple(factors))
     if kind == "none":
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-            raise ModelLoadError("GGUF tensor 'rope_freqs.weight' (llama.cpp's form of Llama 3 RoPE scaling) is "
-                                 "not supported; serve the Hugging Face safetensors directory instead")
         return None
     if kind not in ("linear", "yarn"):
         raise ModelLoadError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (expected linear or yarn)")
@@ -245,7 +258,7 @@ def _gguf_config(reader: gguf.GGUFReader, name: str) -> ModelConfig:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         architecture=arch,
-        rope_scaling=_gguf_rope_scaling(reader, arch),
+        rope_scaling=_gguf_rope_scaling(reader, arch, head_dim),
         **sliding,
     )
 
@@ -290,6 +303,8 @@ def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tupl
     interleaved = arch in _GGUF_INTERLEAVED_ROPE
     rotary_heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
     for tensor in reader.tensors:
+        if tensor.name == _GGUF_ROPE_FREQS:
+            continue  # in the config's RoPE scaling
         name = _hf_name(tensor.name, arch)
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
         if arch in _GGUF_NORM_PLUS_ONE and name.endswith("norm.weight"):

@@ -19,6 +19,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     factor = scaling.factor
     if scaling.rope_type == "linear":
         return inv_freq / factor, 1.0
+    if scaling.freq_factors is not None:
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float64), 1.0
     if scaling.rope_type == "llama3":
         old_len = scaling.original_max_position_embeddings
         low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor

@@ -1,5 +1,5 @@
-"""decode_attention: rotary_embedding, store_kv and paged_attention's split-K decode in one
-launch, on the paged tile step and tile choices of ``attention``."""
+"""decode_attention: rotary_embedding (with the q/k norms), store_kv and paged_attention's split-K
+decode in one launch, on the paged tile step and tile choices of ``attention``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import QKNorm
 from kernels.triton_ops._checks import (
     _FLOAT_DTYPES,
     _INDEX_DTYPES,
@@ -37,6 +38,7 @@ from kernels.triton_ops.attention import (
     fused_decode_kind,
 )
 from kernels.triton_ops.kv_store import _to_cache
+from kernels.triton_ops.norm_rope import _check_qk_norm
 
 # The last program merges the partials one by one: its keys go to at most this many splits
 # (fastest on the H200 at 512 and 2K tokens), more only past this many keys a split.
@@ -45,12 +47,21 @@ _FUSED_DECODE_LONG_SPLIT_TOKENS = 1024
 
 
 @triton.jit
-def _load_rotated(row_ptr, d, rot_d, mask, cos, signed_sin):
-    """Rotate-half RoPE in fp32 of the vectors at ``row_ptr``: column ``d`` is
-    ``x[d] * cos + x[rot_d] * signed_sin`` (``rot_d`` the other half's column, the sine negated
-    in the first half), the same products and sums as norm_rope's ``_rotate_heads``."""
+def _load_rotated(row_ptr, d, rot_d, mask, cos, signed_sin, norm_ptr, eps, HEAD_DIM: tl.constexpr,
+                  HAS_NORM: tl.constexpr):
+    """Rotate-half RoPE in fp32 of the vectors at ``row_ptr`` (along the last axis): column ``d``
+    is ``x[d] * cos + x[rot_d] * signed_sin`` (``rot_d`` the other half's column, the sine negated
+    in the first half), the same products and sums as norm_rope's ``_rotate_heads``; with
+    HAS_NORM, of each vector's RMSNorm (times the weight at ``norm_ptr``), rounded to the row's
+    dtype first, as there."""
     x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
     x_rot = tl.load(row_ptr + rot_d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, -1, keep_dims=True) / HEAD_DIM + eps)
+        weight = tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        weight_rot = tl.load(norm_ptr + rot_d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        x = (x * rstd * weight).to(row_ptr.dtype.element_ty).to(tl.float32)
+        x_rot = (x_rot * rstd * weight_rot).to(row_ptr.dtype.element_ty).to(tl.float32)
     return x * cos + x_rot * signed_sin
 
 
@@ -70,15 +81,16 @@ def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
 def _fused_decode_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    counters_ptr, scale_log2, num_splits, window,
+    counters_ptr, q_norm_ptr, k_norm_ptr, norm_eps, scale_log2, num_splits, window,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     MERGED_SPLITS: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Program (seq, kv head, split): RoPE on the GROUP query heads of one kv head, then
+    """Program (seq, kv head, split): RoPE (after the q/k norms, with HAS_NORM) on the GROUP query
+    heads of one kv head, then
     attention over one key range. Keys before the new token come from the pages; the new token
     (the context's last position) is rotated, stored and attended from registers by the split
     that holds it, so no program waits for another's store. With more than one split holding
@@ -118,7 +130,8 @@ def _fused_decode_kernel(
     if USE_PDL:  # what comes before is the step's inputs; q, k and v are the previous kernel's
         tl.extra.cuda.gdc_wait()
     q_heads = q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h
-    q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :])
+    q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :],
+                      q_norm_ptr, norm_eps, HEAD_DIM, HAS_NORM)
     # Rounded to q's dtype, as rotary_embedding returns it.
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
 
@@ -144,7 +157,8 @@ def _fused_decode_kernel(
         k_row = k_ptr + seq.to(tl.int64) * k_stride_t + kv_head * k_stride_h
         v_row = v_ptr + seq.to(tl.int64) * v_stride_t + kv_head * v_stride_h
         # Rounded as rotary_embedding returns k, then as store_kv writes k and v.
-        k_new = _load_rotated(k_row, d, rot_d, d_ok, cos, signed_sin).to(k_ptr.dtype.element_ty)
+        k_new = _load_rotated(k_row, d, rot_d, d_ok, cos, signed_sin, k_norm_ptr, norm_eps, HEAD_DIM,
+                              HAS_NORM).to(k_ptr.dtype.element_ty)
         v_new = tl.load(v_row + d, mask=d_ok, other=0.0)
         if k_scale_ptr is not None:
             k_new = _to_cache(k_new, tl.load(k_scale_ptr + kv_head), k_cache_ptr)
@@ -245,9 +259,9 @@ def decode_attention(
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """One kernel launch. The split-K count follows the block table's width, as
+    """One kernel launch, the q/k norms included. The split-K count follows the block table's width, as
     paged_attention's; the splits are merged by the last of them to finish, not by a second
     kernel. No host sync: it may be captured in a CUDA graph once it has run eagerly on the
     device (see _arrival_counters). The window is a runtime argument, as paged_attention's."""
@@ -255,6 +269,7 @@ def decode_attention(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
     )
     _check_window(sliding_window)
+    q_norm, k_norm, norm_eps = _check_qk_norm(qk_norm, q)
     k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -274,12 +289,14 @@ def decode_attention(
     group = num_heads // num_kv_heads
     _fused_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        k_scale, v_scale, out, partial_out, partial_lse, counters, scale * _LOG2E, num_splits, sliding_window or 0,
+        k_scale, v_scale, out, partial_out, partial_lse, counters, q_norm, k_norm, norm_eps, scale * _LOG2E,
+        num_splits, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
         MERGED_SPLITS=_FUSED_DECODE_MERGED_SPLITS, LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS,
-        **_dot_args(q.dtype), **_pdl_args(q.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_dot_args(q.dtype), **_pdl_args(q.device), HAS_NORM=qk_norm is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

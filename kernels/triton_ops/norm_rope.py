@@ -1,5 +1,5 @@
-"""rms_norm (with the fused residual add), rotary_embedding and silu_and_mul: one program per
-row, or per token for RoPE, over any row-strided view."""
+"""rms_norm (with the fused residual add), rotary_embedding (with the per-head q/k norms) and
+silu_and_mul: one program per row, or per token for RoPE, over any row-strided view."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import QKNorm
 from kernels.triton_ops._checks import (
     _FLOAT_DTYPES,
     _INDEX_DTYPES,
@@ -85,8 +86,9 @@ def rms_norm(
 
 @triton.jit
 def _rotate_heads(
-    src_ptr, src_stride_h, dst_ptr, cos, sin,
+    src_ptr, src_stride_h, dst_ptr, cos, sin, norm_ptr, eps,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     h = tl.arange(0, HEADS_PAD)[:, None]
     j = tl.arange(0, HALF_PAD)[None, :]
@@ -94,6 +96,12 @@ def _rotate_heads(
     src = src_ptr + h * src_stride_h + j
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # each head's RMSNorm, rounded as rms_norm returns it, before the rotation
+        rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, 1) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        x1 = (x1 * rstd * w1).to(dst_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd * w2).to(dst_ptr.dtype.element_ty).to(tl.float32)
     dst = dst_ptr + h * (2 * HALF) + j
     tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
@@ -101,10 +109,10 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr,
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, q_norm_ptr, k_norm_ptr, eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_sin_stride,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """Program (token): cos/sin of its position loaded once, applied to all q and k heads."""
     token = tl.program_id(0).to(tl.int64)
@@ -115,16 +123,33 @@ def _rotary_kernel(
     sin = tl.load(cos_sin + HALF, mask=j < HALF, other=0.0).to(tl.float32)
     _rotate_heads(
         q_ptr + token * q_stride_t, q_stride_h, q_out_ptr + token * (NUM_HEADS * 2 * HALF), cos, sin,
-        NUM_HEADS, HEADS_PAD, HALF, HALF_PAD,
+        q_norm_ptr, eps, NUM_HEADS, HEADS_PAD, HALF, HALF_PAD, HAS_NORM,
     )
     _rotate_heads(
         k_ptr + token * k_stride_t, k_stride_h, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF), cos, sin,
-        NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD,
+        k_norm_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, HAS_NORM,
     )
+
+
+def _check_qk_norm(qk_norm: QKNorm | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``qk_norm``'s weights and eps for q's heads; without one, q itself in place of the weights
+    (never read) and eps 0."""
+    if qk_norm is None:
+        return q, q, 0.0
+    _check(isinstance(qk_norm, QKNorm), f"qk_norm must be a kernels.QKNorm, got {type(qk_norm).__name__}")
+    head_dim = q.shape[-1]
+    for name, weight in (("qk_norm.q_weight", qk_norm.q_weight), ("qk_norm.k_weight", qk_norm.k_weight)):
+        _check_tensor(name, weight, 1, _FLOAT_DTYPES)
+        _check(tuple(weight.shape) == (head_dim,), f"{name} must have shape ({head_dim},), got {tuple(weight.shape)}")
+        _check(weight.is_contiguous(), f"{name} must be contiguous")
+        _check_devices(q=q, **{name: weight})
+    _check(qk_norm.eps > 0, f"qk_norm.eps must be > 0, got {qk_norm.eps}")
+    return qk_norm.q_weight, qk_norm.k_weight, float(qk_norm.eps)
 
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_tensor("positions", positions, 1, _INDEX_DTYPES)
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
@@ -148,6 +173,7 @@ def rotary_embedding(
         _check_last_dim_contiguous(name, t)
     _check(positions.is_contiguous(), "positions must be contiguous")
     _check_devices(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+    q_norm, k_norm, eps = _check_qk_norm(qk_norm, q)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
@@ -155,11 +181,11 @@ def rotary_embedding(
     num_kv_heads = k.shape[1]
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache, q_out, k_out,
+        positions, q, k, cos_sin_cache, q_out, k_out, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
         NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), HAS_NORM=qk_norm is not None, num_warps=4,
     )
     return q_out, k_out
 

@@ -61,3 +61,14 @@ def test_served_name_of_a_file_is_its_stem(tmp_path):
 def test_bad_served_model_name_is_refused(name):
     with pytest.raises(ValueError, match="served_model_name"):
         EngineConfig(model="tiny", load_format="dummy", served_model_name=name)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"host_kv_cache_gib": -1.0}, "host_kv_cache_gib must be a non-negative"),
+    ({"host_kv_cache_gib": float("nan")}, "host_kv_cache_gib must be a non-negative"),
+    ({"host_kv_cache_gib": 1.0, "tensor_parallel_size": 2}, "host_kv_cache_gib is not supported with tensor"),
+    ({"host_kv_cache_gib": 1.0, "enable_prefix_caching": False}, "host_kv_cache_gib needs prefix caching"),
+])
+def test_bad_host_kv_cache_gib_is_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="tiny", load_format="dummy", **settings)

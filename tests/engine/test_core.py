@@ -8,6 +8,7 @@ import torch
 
 from engine.config import DUMMY_CONFIGS, EngineConfig
 from engine.core import EngineCore
+from engine.model_runner import LaunchedStep
 from engine.protocol import GenerateRequest, ProtocolError, SamplingParams
 from engine.scheduler import SampledToken, ScheduledSeq
 
@@ -27,6 +28,9 @@ class CountingRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         pass
+
+    def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
+        return LaunchedStep.on_host(self.execute(scheduled), graphed=False)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         self.steps.append([(seq.request_id, seq.index, n) for seq, n in scheduled])

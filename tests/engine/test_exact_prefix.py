@@ -12,6 +12,7 @@ from paged import peaky_tiny
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore
+from engine.model_runner import LaunchedStep
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.scheduler import SampledToken
 from engine.warmup import warmup
@@ -252,6 +253,9 @@ class ContentRunner:
         pages = [list(self.slots[src]) for src, _ in pairs]
         for (_, dst), page in zip(pairs, pages):
             self.slots[dst] = page
+
+    def launch(self, scheduled, previous=None) -> LaunchedStep:
+        return LaunchedStep.on_host(self.execute(scheduled), graphed=False)
 
     def execute(self, scheduled) -> list[SampledToken]:
         bs = self.block_size

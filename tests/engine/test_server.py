@@ -21,15 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def engine_url(tmp_path_factory):
+@pytest.fixture(scope="module", params=[[], ["--async-scheduling"]], ids=["sync", "async"])
+def engine_url(tmp_path_factory, request):
+    """A tiny sidecar; every test runs against the synchronous loop and the overlapped one."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model", "tiny",
          "--load-format", "dummy", "--num-kv-blocks", "64", "--block-size", "16",
-         "--max-num-batched-tokens", "64"],
+         "--max-num-batched-tokens", "64", "--host-kv-cache-gib", "0.001", *request.param],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -74,6 +75,8 @@ def assert_all_blocks_free(url):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     integrity = httpx.get(f"{url}/debug/integrity").json()
     assert integrity["ok"] and integrity["used"] == 0
+    host = integrity["host"]  # the host tier's slots, all accounted for
+    assert host["used"] == 0 and host["free"] + host["cached"] == stats["num_host_blocks"] > 0
 
 
 def test_generate_streams_frames_with_counts(engine_url):

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.model_runner import LaunchedStep
 from engine.models.loader import load_tokenizer_info
 from engine.offline import run_offline
 from engine.protocol import (
@@ -297,9 +298,10 @@ class OverridingRunner:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def execute(self, scheduled):
-        return [s._replace(token_id=self.token_id) if s.seq.request_id == self.request_id else s
-                for s in self.runner.execute(scheduled)]
+    def launch(self, scheduled, previous=None):
+        sampled = self.runner.launch(scheduled, previous).resolve()
+        return LaunchedStep.on_host([s._replace(token_id=self.token_id) if s.seq.request_id == self.request_id else s
+                                     for s in sampled], graphed=False)
 
 
 def test_a_token_outside_the_grammar_fails_only_its_sequence(tiny, tiny_info):

@@ -139,12 +139,13 @@ def _generate(core: EngineCore, lines: list[str]) -> list[dict]:
     return [json.loads(line) for line in out.getvalue().splitlines()]
 
 
-def _compare_tp(settings: dict, lines: list[str], graphs: bool = False) -> float:
+def _compare_tp(settings: dict, lines: list[str], graphs: bool = False, async_scheduling: bool = False) -> float:
     """Greedy tokens of TP=2 equal TP=1's (eager); returns the largest difference of the logprobs.
     With ``graphs``, TP=2's decode steps go through every rank's decode graphs (on the CPU their
-    padded buffers run eagerly, with the same broadcasts as a replay)."""
+    padded buffers run eagerly, with the same broadcasts as a replay); with ``async_scheduling``, TP=2
+    overlaps its steps (rank 0 carries the tokens in flight into the inputs it broadcasts)."""
     single = _generate(EngineCore.from_config(EngineConfig(**settings)), lines)
-    ranks = TensorParallelRanks(EngineConfig(**settings, tensor_parallel_size=WORLD))
+    ranks = TensorParallelRanks(EngineConfig(**settings, tensor_parallel_size=WORLD, async_scheduling=async_scheduling))
     try:
         core = ranks.build_core()
         if graphs:
@@ -175,7 +176,8 @@ def test_tp2_engine_greedy_identical_tiny_kv_heads_fewer_than_ranks(tmp_path):
     assert max_diff < 1e-4
 
 
-def test_tp2_engine_greedy_identical_tiny_gemma3(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_engine_greedy_identical_tiny_gemma3(tmp_path, async_scheduling):
     """A tiny Gemma 3 (sliding-window layers: two KV layer groups, each with its own block tables;
     one KV head, replicated), saved by transformers; decode steps through the ranks' decode graphs."""
     import transformers
@@ -193,7 +195,7 @@ def test_tp2_engine_greedy_identical_tiny_gemma3(tmp_path):
             param.normal_(0.0, 0.2)
     model.save_pretrained(tmp_path, safe_serialization=True)
     settings = dict(model=str(tmp_path), load_format="hf", num_kv_blocks=256, max_num_batched_tokens=64)
-    max_diff = _compare_tp(settings, _prompts(), graphs=True)
+    max_diff = _compare_tp(settings, _prompts(), graphs=True, async_scheduling=async_scheduling)
     print(f"tiny gemma3: max |logprob TP2 - TP1| = {max_diff:.3g}")
     assert max_diff < 1e-4
 
@@ -264,10 +266,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
 class _FaultyRunner(ModelRunner):
     """Raises in any step that runs request "boom", as a failing device or a lost rank would."""
 
-    def execute(self, scheduled):
+    def launch(self, scheduled, previous=None):
         if any(seq.request_id == "boom" for seq, _ in scheduled):
             raise RuntimeError("device fault")
-        return super().execute(scheduled)
+        return super().launch(scheduled, previous)
 
 
 def test_a_step_that_raises_fails_the_engine_and_ends_its_requests():

@@ -27,9 +27,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import EnginePool
 from gateway.replica import Replica
 from gateway.router import Candidate, PrefixRouter, PrefixSettings, RoundRobinRouter, RouteRequest, pick
-from prefix_index.events import BlockStored, KVEventBatch
+from prefix_index.events import HOST, BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
-from prefix_index.index import IndexUnavailableError, PrefixIndex, open_index
+from prefix_index.index import IndexUnavailableError, PrefixIndex, TierMatch, open_index
 
 MODEL, BLOCK = "tiny", 16
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks
@@ -63,6 +63,12 @@ STATS = engine_stats(model=MODEL, block_size=BLOCK).to_wire()
     # the best-cached replica's queue puts the first token past the bound; among the others, cache
     # still counts
     ([Candidate(90, 10, 200, 2), Candidate(48, 52, 0, 0), Candidate(0, 100, 0, 0)], 50, (1, "load_override")),
+    # a prefix in a host tier (loaded back) beats recomputing it, and loses to the same prefix in a KV pool
+    ([Candidate(0, 1000, 0, 0), Candidate(800, 200, 0, 0, 0, 0.0, 800)], 4096, (1, "prefix_hit")),
+    ([Candidate(800, 200, 0, 0, 0, 0.0, 800), Candidate(800, 200, 0, 0)], 4096, (1, "prefix_hit")),
+    ([Candidate(800, 200, 0, 0, 0, 0.0, 500), Candidate(800, 200, 0, 0, 0, 0.0, 600)], 4096, (0, "prefix_hit")),
+    # ... and a longer prefix there beats a shorter one in a pool when it saves more than it costs
+    ([Candidate(800, 200, 0, 0, 0, 0.0, 400), Candidate(400, 600, 0, 0)], 4096, (0, "prefix_hit")),
 ])
 def test_pick(candidates: list[Candidate], bound: int, expected: tuple[int, str]):
     assert pick(candidates, bound, random.Random(0)) == expected
@@ -137,6 +143,20 @@ async def test_router_follows_the_index_with_the_tenant_salt(index_url):
     # a replica whose id the index does not know, or that has none, predicts nothing
     unknown = await router.choose(RouteRequest(PROMPT, "tenant-a"), [replica("a", "e0"), replica("x")])
     assert unknown.reason == "prefix_miss"
+    await router.close()
+    await index.close()
+
+
+async def test_a_host_tier_hit_routes_between_a_pool_hit_and_a_miss(index_url):
+    """e0 holds 2 blocks in its KV pool and the next 3 in its host tier; e1 holds all 5 in its pool."""
+    hashes = block_hashes(PROMPT, BLOCK)
+    index = await live_index(index_url, {"e0": hashes[:2], "e1": hashes[:5], "e2": []})
+    await index.apply(KVEventBatch("e0", 1, [BlockStored(hashes[2:5], None, HOST)]))
+    router = await started_router(index_url)
+    missing = await router.choose(RouteRequest(PROMPT, None), [replica("a", "e0"), replica("c", "e2")])
+    assert (missing.replica.url, missing.reason, missing.predicted_cached_tokens) == ("http://a", "prefix_hit", 80)
+    pooled = await router.choose(RouteRequest(PROMPT, None), [replica("a", "e0"), replica("b", "e1")])
+    assert (pooled.replica.url, pooled.reason, pooled.predicted_cached_tokens) == ("http://b", "prefix_hit", 80)
     await router.close()
     await index.close()
 
@@ -264,13 +284,13 @@ class FlakyIndex(PrefixIndex):
         self.down = self.slow = False
         self.lookups = self.inserts = 0
 
-    async def lookup(self, block_hashes):
+    async def lookup_tiers(self, block_hashes):
         self.lookups += 1
         if self.down:
             raise IndexUnavailableError("redis: connection refused")
         if self.slow:
             await asyncio.sleep(10)
-        return {"e0": 0, "e1": 0}
+        return {"e0": TierMatch(0, 0), "e1": TierMatch(0, 0)}
 
     async def insert_speculative(self, replica_id, block_hashes, ttl_s):
         self.inserts += 1

@@ -161,6 +161,12 @@ def test_engine_stats_round_trip():
     assert EngineStats.from_wire({**stats.to_wire(), "added_later": 1}) == stats  # a newer engine's extras
     older = {k: v for k, v in stats.to_wire().items() if k not in ("kv_group_windows", "kv_bytes_per_token_by_group")}
     assert EngineStats.from_wire(older) == stats  # an engine from before the layer-group fields
+    budgeted = engine_stats(mixed_prefill_budget=1536)
+    assert EngineStats.from_wire(budgeted.to_wire()).mixed_prefill_budget == 1536
+    older = {k: v for k, v in budgeted.to_wire().items() if k != "mixed_prefill_budget"}  # an optional field
+    assert EngineStats.from_wire(older).mixed_prefill_budget == 0
+    with pytest.raises(ProtocolError, match="mixed_prefill_budget must be an integer"):
+        EngineStats.from_wire({**older, "mixed_prefill_budget": "1536"})
 
 
 def test_engine_stats_name_a_missing_field():

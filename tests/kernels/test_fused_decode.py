@@ -22,7 +22,7 @@ from kernel_cases import (
     random_contexts,
 )
 
-from kernels import reference, triton_ops
+from kernels import QKNorm, reference, triton_ops
 from kernels.triton_ops import _launch, attention
 
 
@@ -38,12 +38,13 @@ class DecodeStep:
     cos_sin_cache: torch.Tensor
     batch: Batch  # the caches, block tables and lengths
     slot_mapping: torch.Tensor
+    qk_norm: QKNorm | None = None
 
     def run(self, decode_attention, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         b = self.batch
         return decode_attention(
             self.positions, self.q, self.k, self.v, self.cos_sin_cache, k_cache, v_cache,
-            self.slot_mapping, b.block_tables, b.seq_lens, b.scale, b.seq_lens_cpu,
+            self.slot_mapping, b.block_tables, b.seq_lens, b.scale, b.seq_lens_cpu, qk_norm=self.qk_norm,
         )
 
     def expected(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ class DecodeStep:
         rotated q and stored K/V): output, k_cache, v_cache."""
         b = self.batch
         k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
-        q, k = reference.rotary_embedding(self.positions, self.q, self.k, self.cos_sin_cache)
+        q, k = reference.rotary_embedding(self.positions, self.q, self.k, self.cos_sin_cache, self.qk_norm)
         reference.store_kv(k, self.v, k_cache, v_cache, self.slot_mapping)
         out = reference.paged_attention(
             q.float(), k_cache.float(), v_cache.float(), b.block_tables, b.seq_lens,
@@ -62,10 +63,10 @@ class DecodeStep:
 
 def make_decode_step(
     context_lens: list[int], *, group: int, num_kv_heads: int = 2, head_dim: int = 32,
-    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, **batch,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, qk_norm: bool = False, **batch,
 ) -> DecodeStep:
     """Inputs as make_batch's (``batch``: its other settings); a context of length 0 is a
-    padding row (slot -1)."""
+    padding row (slot -1). ``qk_norm``: with per-head q/k norms of random weights (Qwen3's)."""
     b = make_batch(
         context_lens, [1] * len(context_lens), num_kv_heads=num_kv_heads, group=group,
         head_dim=head_dim, dtype=dtype, device=device, seed=seed, **batch,
@@ -88,6 +89,8 @@ def make_decode_step(
         cos_sin_cache=reference.rope_cos_sin_cache(head_dim, max(context_lens) + 1, 10000.0, device=device),
         batch=b,
         slot_mapping=torch.tensor(slots, device=device),
+        qk_norm=QKNorm(*(1 + 0.3 * torch.randn(2, head_dim, generator=gen, device=device)).to(dtype), 1e-6)
+        if qk_norm else None,
     )
 
 
@@ -104,7 +107,10 @@ def check_decode_step(
         assert out.shape == step.q.shape and out.dtype == step.q.dtype
         assert_close(out, expected_out, rtol=rtol, atol=max(rtol / 4, 1e-5) if atol is None else atol)
         assert not out[padding].any()
-        if INTERPRETED:
+        if step.qk_norm is not None:  # its sum of squares runs in another order: a normed value
+            # rounded a unit apart is rotated, a unit of the inputs' magnitude (below 8) apart
+            assert_close(k_cache, expected_k, rtol=ULP[k_cache.dtype], atol=max(8 * ULP[k_cache.dtype], 1e-4))
+        elif INTERPRETED:
             assert_rounded_equal(k_cache, expected_k)
         else:  # compiled, the rotation may fuse a multiply-add: a unit in the last place apart
             assert_close(k_cache, expected_k, rtol=ULP[k_cache.dtype], atol=1e-4)
@@ -148,6 +154,18 @@ def test_decode_attention_fused_half_precision(ops, dtype):
     check_decode_step(ops.decode_attention, step, ULP[dtype], atol=ULP[dtype] if dtype == torch.bfloat16 else None)
 
 
+@pytest.mark.parametrize("head_dim, context_lens", [(32, [1, 17, 0, 99]), (24, [30, 0, 100])])
+def test_decode_attention_fused_with_qk_norm(ops, head_dim, context_lens):
+    """Each head of q and k normed in the launch, before RoPE (a padding row still gives zeros)."""
+    step = make_decode_step(context_lens, group=3, num_kv_heads=1, head_dim=head_dim, seed=4, qk_norm=True)
+    check_decode_step(ops.decode_attention, step, ULP[torch.float32])
+    plain = reference.decode_attention(
+        step.positions, step.q, step.k, step.v, step.cos_sin_cache, step.batch.k_cache.clone(),
+        step.batch.v_cache.clone(), step.slot_mapping, step.batch.block_tables, step.batch.seq_lens, step.batch.scale,
+    )
+    assert not torch.allclose(plain, step.expected()[0], rtol=0.01)  # the norms changed the output
+
+
 def test_decode_attention_fused_padded_head_dim(ops):
     step = make_decode_step([30, 0, 100], group=3, num_kv_heads=1, head_dim=24, seed=3)
     check_decode_step(ops.decode_attention, step, ULP[torch.float32])
@@ -173,8 +191,9 @@ def test_decode_attention_rejects_bad_inputs(ops):
         step.run(ops.decode_attention, b.k_cache, b.v_cache)
 
 
-# (query-head group, kv heads, head dim, block-table capacity): SmolLM2 and Llama 3 8B.
-GPU_DECODE_SHAPES = {"smollm2": (3, 3, 64, 2048), "llama3-8b": (4, 8, 128, 8192)}
+# (query-head group, kv heads, head dim, block-table capacity): SmolLM2, Llama 3 8B and Qwen3 8B
+# (Llama 3 8B's attention shape, with q/k norms).
+GPU_DECODE_SHAPES = {"smollm2": (3, 3, 64, 2048), "llama3-8b": (4, 8, 128, 8192), "qwen3-8b": (4, 8, 128, 8192)}
 
 
 def gpu_decode_step(shape: str, context_lens: list[int], dtype: torch.dtype, seed: int = 0) -> DecodeStep:
@@ -182,7 +201,7 @@ def gpu_decode_step(shape: str, context_lens: list[int], dtype: torch.dtype, see
     block_size = 16
     return make_decode_step(
         context_lens, group=group, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-        block_size=block_size, device="cuda", seed=seed,
+        block_size=block_size, device="cuda", seed=seed, qk_norm=shape.startswith("qwen3"),
         extra_table_blocks=capacity // block_size - math.ceil(max(context_lens) / block_size),
     )
 

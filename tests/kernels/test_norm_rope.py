@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import DTYPES, ULP, assert_close, assert_rounded_equal, gpu
 
-from kernels import reference, triton_ops
+from kernels import QKNorm, reference, triton_ops
 
 
 def rms_norm_inputs(shape, dtype, with_residual, strided, device="cpu"):
@@ -67,12 +67,44 @@ def test_rotary_embedding(ops, dtype, num_heads, num_kv_heads, head_dim, cache_d
     assert_close(k, expected_k, rtol=ULP[dtype])
 
 
+def qk_norm_for(head_dim: int, dtype: torch.dtype, device: str = "cpu") -> QKNorm:
+    gen = torch.Generator().manual_seed(7)
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype)
+    return QKNorm(q_weight.to(device), k_weight.to(device), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (6, 1, 24)])
+def test_rotary_embedding_with_qk_norm(ops, dtype, num_heads, num_kv_heads, head_dim):
+    """The per-head q/k norms inside the RoPE launch: each head normed and rounded, then rotated,
+    as the reference composes rms_norm and rotary_embedding."""
+    inputs = rotary_inputs(9, num_heads, num_kv_heads, head_dim, dtype, torch.float32)
+    qk_norm = qk_norm_for(head_dim, dtype)
+    q, k = ops.rotary_embedding(*inputs, qk_norm)
+    positions, q_in, k_in, cache = inputs
+    expected_q, expected_k = reference.rotary_embedding(
+        positions, reference.rms_norm(q_in, qk_norm.q_weight, 1e-6)[0],
+        reference.rms_norm(k_in, qk_norm.k_weight, 1e-6)[0], cache,
+    )
+    assert torch.equal(reference.rotary_embedding(*inputs, qk_norm)[0], expected_q)  # the twin composes the same
+    # The interpreter truncates the normed bf16 values where the reference rounds them: rotated,
+    # a unit in the last place of the inputs' magnitude (below 8) apart.
+    atol = 8 * ULP[dtype] if dtype == torch.bfloat16 else 1e-5
+    assert_close(q, expected_q, rtol=ULP[dtype], atol=atol)
+    assert_close(k, expected_k, rtol=ULP[dtype], atol=atol)
+    assert not torch.allclose(q.float(), reference.rotary_embedding(*inputs)[0].float(), rtol=0.1)  # it normed
+
+
 def test_rotary_embedding_rejects_bad_inputs(ops):
     positions, q, k, cache = rotary_inputs(3, 2, 1, 16, torch.float32, torch.float32)
     with pytest.raises(ValueError, match=r"cos_sin_cache must have shape \(max_position, 16\)"):
         ops.rotary_embedding(positions, q, k, cache[:, :8])
     with pytest.raises(ValueError, match="positions must have dtype"):
         ops.rotary_embedding(positions.float(), q, k, cache)
+    with pytest.raises(ValueError, match=r"qk_norm.k_weight must have shape \(16,\)"):
+        ops.rotary_embedding(positions, q, k, cache, QKNorm(torch.ones(16), torch.ones(8), 1e-6))
+    with pytest.raises(ValueError, match="qk_norm.eps must be > 0"):
+        ops.rotary_embedding(positions, q, k, cache, QKNorm(torch.ones(16), torch.ones(16), 0.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,6 +140,20 @@ def test_gpu_rotary_embedding(dtype):
     expected_q, expected_k = reference.rotary_embedding(*inputs)
     assert_close(q, expected_q, rtol=ULP[dtype], atol=1e-4)
     assert_close(k, expected_k, rtol=ULP[dtype], atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rotary_embedding_with_qk_norm(dtype):
+    inputs = rotary_inputs(8192, 32, 8, 128, dtype, torch.float32, device="cuda")
+    qk_norm = qk_norm_for(128, dtype, "cuda")
+    q, k = triton_ops.rotary_embedding(*inputs, qk_norm)
+    expected_q, expected_k = reference.rotary_embedding(*inputs, qk_norm)
+    # the norm's sum of squares runs in another order: a normed value rounded a unit apart is
+    # rotated, a unit of the inputs' magnitude (below 8) apart
+    atol = max(8 * ULP[dtype], 1e-4)
+    assert_close(q, expected_q, rtol=ULP[dtype], atol=atol)
+    assert_close(k, expected_k, rtol=ULP[dtype], atol=atol)
 
 
 @gpu

@@ -55,18 +55,22 @@ def model_step(model, caches, tables: list[list[int]], starts: list[int], chunks
         return model.compute_logits(hidden[torch.tensor(query_start[1:]) - 1])
 
 
-def test_model_on_triton_ops_matches_torch_ops(ops):
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_model_on_triton_ops_matches_torch_ops(ops, architecture):
     """The tiny model on the Triton ops (cuBLAS with the norm and SiLU kernels for a prefill,
-    the GEMVs and decode_attention for decode rows) gives the torch ops' logits step by step."""
-    from engine.config import DUMMY_CONFIGS
-    from engine.models.llama import LlamaForCausalLM
+    the GEMVs and decode_attention for decode rows) gives the torch ops' logits step by step;
+    as Qwen3, with the q/k norms inside rotary_embedding and decode_attention."""
+    import dataclasses
 
-    config, block_size = DUMMY_CONFIGS["tiny"], 16
+    from engine.config import DUMMY_CONFIGS
+    from engine.models import build_model
+
+    config, block_size = dataclasses.replace(DUMMY_CONFIGS["tiny"], architecture=architecture), 16
     torch.manual_seed(0)
-    theirs = LlamaForCausalLM(config, reference)
+    theirs = build_model(config, reference)
     for p in theirs.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    ours = LlamaForCausalLM(config, ops)
+    ours = build_model(config, ops)
     ours.load_state_dict(theirs.state_dict())
     shape = (8, block_size, config.num_kv_heads, config.head_dim)
     caches = {m: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)] for m in (ours, theirs)}

@@ -12,9 +12,9 @@ import redis
 from index_testing import SHARED_REDIS_URL, RedisClusterServers, delete_namespace, free_port, wait_until
 from redis.crc import key_slot
 
-from prefix_index.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
+from prefix_index.events import HOST, AllCleared, BlockRemoved, BlockStored, KVEventBatch
 from prefix_index.hashing import block_hashes
-from prefix_index.index import IndexUnavailableError, open_index, redact_url
+from prefix_index.index import IndexUnavailableError, TierMatch, open_index, redact_url
 
 BS = 16
 LIVE_S = 60.0
@@ -88,6 +88,38 @@ async def test_holes_left_by_evictions_cut_the_prefix_until_refilled(open_test_i
     assert await index.lookup(h) == {"r": 7, "ref": 6}
 
 
+async def test_host_tier_extends_the_match_past_the_device_tier(open_test_index):
+    """A block either tier holds counts towards ``total``, only the pool's (and speculative
+    entries) towards ``device``; host events change the host tier alone."""
+    index = open_test_index()
+    h = chain(10)
+    await join(index, "tiered", h[:3])
+    await index.apply(KVEventBatch("tiered", 1, [BlockStored([h[5], h[3], h[4], h[7]], None, HOST)]))
+    await join(index, "device", h[:5])
+    await join(index, "host-only")
+    await index.apply(KVEventBatch("host-only", 1, [BlockStored(h[:2], None, HOST)]))
+    await join(index, "holes", h[:4])
+    await index.apply(KVEventBatch("holes", 1, [BlockRemoved([h[1]]), BlockStored([h[1], h[4]], None, HOST)]))
+    assert await index.lookup_tiers(h) == {
+        "tiered": TierMatch(3, 6), "device": TierMatch(5, 5), "host-only": TierMatch(0, 2),
+        "holes": TierMatch(1, 5),
+    }
+    assert await index.lookup(h) == {"tiered": 3, "device": 5, "host-only": 0, "holes": 1}
+    await index.insert_speculative("host-only", h[:1], LIVE_S)
+    await index.apply(KVEventBatch("tiered", 1, [BlockRemoved([h[4]], HOST), BlockRemoved([h[0]])]))
+    assert await index.lookup_tiers(h[:8]) == {
+        "tiered": TierMatch(0, 0), "device": TierMatch(5, 5), "host-only": TierMatch(1, 2),
+        "holes": TierMatch(1, 5),
+    }
+    await store(index, "tiered", h[:1])  # the device tier again: the host tier's blocks follow
+    await index.apply(KVEventBatch("tiered", 1, [BlockStored([h[4]], None, HOST)]))
+    assert (await index.lookup_tiers(h))["tiered"] == TierMatch(3, 6)
+    await index.apply(KVEventBatch("tiered", 1, [AllCleared()]))
+    assert (await index.lookup_tiers(h))["tiered"] == TierMatch(0, 0)
+    with pytest.raises(ValueError, match=r"events\[0\].tier"):
+        await index.apply(KVEventBatch("tiered", 1, [BlockStored(h[:1], None, "disk")]))
+
+
 async def test_branching_prompts_share_their_common_prefix(open_test_index):
     index = open_test_index()
     system = chain(4)
@@ -100,28 +132,32 @@ async def test_branching_prompts_share_their_common_prefix(open_test_index):
 
 
 class ReferenceIndex:
-    """The contract in a dozen lines: the suite compares both backends against it."""
+    """The contract in a few lines: the suite compares both backends against it."""
 
     def __init__(self):
-        self.held: dict[str, set[bytes]] = {}
+        self.held: dict[str, dict[str, set[bytes]]] = {}  # replica -> tier -> blocks
 
     def apply(self, replica_id, events):
-        held = self.held.setdefault(replica_id, set())
+        tiers = self.held.setdefault(replica_id, {"device": set(), "host": set()})
         for event in events:
             if isinstance(event, AllCleared):
-                held.clear()
+                for held in tiers.values():
+                    held.clear()
             elif isinstance(event, BlockStored):
-                held.update(event.block_hashes)
+                tiers[event.tier].update(event.block_hashes)
             else:
-                held.difference_update(event.block_hashes)
+                tiers[event.tier].difference_update(event.block_hashes)
 
-    def lookup(self, hashes):
+    def lookup_tiers(self, hashes):
         matched = {}
-        for replica_id, held in self.held.items():
-            n = 0
-            while n < len(hashes) and hashes[n] in held:
-                n += 1
-            matched[replica_id] = n
+        for replica_id, tiers in self.held.items():
+            device = 0
+            while device < len(hashes) and hashes[device] in tiers["device"]:
+                device += 1
+            total = device
+            while total < len(hashes) and (hashes[total] in tiers["device"] or hashes[total] in tiers["host"]):
+                total += 1
+            matched[replica_id] = TierMatch(device, total)
         return matched
 
 
@@ -136,22 +172,26 @@ async def test_random_events_match_the_reference(open_test_index, seed):
     for replica_id in replicas:
         await join(index, replica_id)
         reference.apply(replica_id, [])
-    for _ in range(60):
+    for _ in range(80):
         replica_id = rng.choice(replicas)
         prompt = rng.choice(prompts)
         kind = rng.random()
-        if kind < 0.55:
+        if kind < 0.4:
             start = rng.randrange(len(prompt))
             stop = rng.randrange(start, len(prompt)) + 1
             events = [BlockStored(prompt[start:stop], prompt[start - 1] if start else None)]
-        elif kind < 0.9:
+        elif kind < 0.55:
+            events = [BlockStored(rng.sample(prompt, rng.randint(1, 8)), None, HOST)]
+        elif kind < 0.8:
             events = [BlockRemoved(rng.sample(prompt, rng.randint(1, 4)))]
+        elif kind < 0.93:
+            events = [BlockRemoved(rng.sample(prompt, rng.randint(1, 4)), HOST)]
         else:
             events = [AllCleared(), BlockStored(prompt[: rng.randrange(len(prompt))])]
         await index.apply(KVEventBatch(replica_id, 1, events))
         reference.apply(replica_id, events)
         for p in prompts:
-            assert await index.lookup(p) == reference.lookup(p)
+            assert await index.lookup_tiers(p) == reference.lookup_tiers(p)
 
 
 async def test_dead_replicas_are_excluded(open_test_index):

@@ -8,8 +8,8 @@ import redis
 from index_testing import free_port, wait_until
 from test_index import chain
 
-from prefix_index.events import AllCleared, BlockRemoved, BlockStored, KVEventBatch
-from prefix_index.index import open_index
+from prefix_index.events import HOST, AllCleared, BlockRemoved, BlockStored, KVEventBatch
+from prefix_index.index import TierMatch, open_index
 from prefix_index.publisher import KVEventPublisher
 
 HEARTBEAT_S = 0.1
@@ -117,6 +117,29 @@ async def test_resync_of_a_large_branching_cache(backend_url, namespace, open_te
         assert await index.lookup(diverging) == {"engine-0": 1000}
     finally:
         await asyncio.to_thread(publisher.close)
+
+
+async def test_host_tier_events_and_resync(backend_url, namespace, open_test_index):
+    """Host-tier events reach the index in slices that keep their tier; a resync restores the
+    host tier from its own snapshot."""
+    index = open_test_index()
+    h = chain(900)
+    cache = FakeEngineCache(h[:2])
+    host = list(h[2:4])
+    publisher = make_publisher(backend_url, namespace, cache, host_snapshot=lambda: list(host))
+    publisher.start()
+    try:
+        await wait_until(lambda: _tiers(index, h, TierMatch(2, 4)), what="the resync with the host tier")
+        publisher.publish([BlockStored(h[4:900], None, HOST)])  # more hashes than one write takes
+        await wait_until(lambda: _tiers(index, h, TierMatch(2, 900)), what="host-tier stores")
+        publisher.publish([BlockRemoved(h[3:4], HOST)])
+        await wait_until(lambda: _tiers(index, h, TierMatch(2, 3)), what="a host-tier removal")
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+
+async def _tiers(index, hashes, expected):
+    return (await index.lookup_tiers(hashes)).get("engine-0") == expected
 
 
 async def test_restart_replaces_the_previous_engines_entries(
