@@ -6,9 +6,10 @@ up to the first divergence; ``agreement`` is the agreed tokens over all generate
 divergence costs every token after it). ``mean_abs_dlogprob`` is the mean |Δ logprob| of the
 peer's token over the agreed positions (same context on both sides).
 
-On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant:
+On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant; then
+the floor of the measure (the bf16 model against the fp32 one) and fp8 KV against bf16 KV:
 
-    python benchmarks/accuracy.py [--max-tokens 32] [--variants bf16,int8_weights]
+    python benchmarks/accuracy.py [--max-tokens 32] [--variants int8_weights]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.core import EngineCore, resolve_dtype
+from engine.core import EngineCore
 from engine.protocol import GenerateRequest, SamplingParams
 
 # 20 chat prompts (texts and ids: SmolLM2's chat template, tokenized by the GGUF's own tokenizer)
@@ -103,10 +104,14 @@ def main() -> None:
     prompts = smollm2_prompts()
     path = str(default_model_path())
 
-    def core(**settings) -> EngineCore:
-        config = EngineConfig(model="smollm2", **settings)
-        model, model_config = load_model(path, "gguf", "cpu", resolve_dtype(config), load_ops("torch"))
-        return EngineCore.from_model(config, model, model_config)
+    def core(dtype: torch.dtype = torch.float32, **settings) -> EngineCore:
+        model, config = load_model(path, "gguf", "cpu", dtype, load_ops("torch"))
+        return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
+
+    def report(variant: str, peer: str, reference: list, candidate: EngineCore) -> None:
+        emit(bench="accuracy", device="cpu", model="smollm2-135m", variant=variant, peer=peer,
+             prompts=len(prompts), max_tokens=args.max_tokens,
+             **agreement(reference, generate(candidate, prompts, args.max_tokens)).record())
 
     reference = generate(core(), prompts, args.max_tokens)
     variants = {
@@ -114,7 +119,6 @@ def main() -> None:
         "fp8_kv_scale_1": dict(kv_cache_dtype="fp8_e4m3"),
         "fp8_weights": dict(quantization="fp8"),
         "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
-        "bf16": dict(dtype="bfloat16"),
         "int8_weights": dict(quantization="int8"),
     }
     for name in args.variants or variants:
@@ -122,9 +126,13 @@ def main() -> None:
         candidate = core(**settings)
         if name == "fp8_kv_scale_1":
             set_kv_scales(candidate.runner.model, 1.0)
-        emit(bench="accuracy", device="cpu", model="smollm2-135m", variant=name, peer="fp32",
-             prompts=len(prompts), max_tokens=args.max_tokens,
-             **agreement(reference, generate(candidate, prompts, args.max_tokens)).record())
+        report(name, "fp32", reference, candidate)
+    # The floor of the measure: the same model in bf16 (weights, activations and KV) against fp32;
+    # then fp8 KV against bf16 KV, both on the bf16 model.
+    report("bf16", "fp32", reference, core(torch.bfloat16))
+    report("fp8_kv_on_bf16", "bf16", generate(core(torch.bfloat16), prompts, args.max_tokens),
+           core(torch.bfloat16, kv_cache_dtype="fp8_e4m3"))
+
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ measured in the same run: the peer every decode step is held to), how many kerne
 launches, and the kernels by GPU time (torch.profiler over the replays). The gap between the
 replay time and the sum of kernel times is launch latency.
 
-    python3 benchmarks/decode_profile.py [--contexts 640,4096] [--batches 1,64]
+    python3 benchmarks/decode_profile.py [--contexts 640,4096] [--batches 1,64] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATIONS, EngineConfig
 from engine.core import EngineCore
 from engine.logs import configure_logging
 from loadtest.stamp import emit
@@ -100,7 +100,7 @@ def profile_bucket(core: EngineCore, batch: int, context: int, bandwidth: float)
     ))
     kv = batch * context * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     emit(
-        bench="decode_profile", model=config.name, batch=batch, context=context,
+        bench="decode_profile", model=config.name, quantization=core.config.quantization, batch=batch, context=context,
         replay_us=round(replay_us, 1), kernel_us=round(sum(r["us"] for r in rows), 1),
         roofline_us=round((weights + kv) / bandwidth * 1e6, 1),
         kernels_per_replay=sum(r["calls"] for r in rows), kernels=rows[:14],
@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes (default: 1,64)")
     parser.add_argument("--models", default="smollm2-135m,llama3-8b",
                         help=f"comma-separated dummy shapes, of {','.join(MAX_MODEL_LEN)}")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="the engine's --quantization")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_profile needs a CUDA device")
@@ -123,7 +124,7 @@ def main() -> None:
     for model in args.models.split(","):
         config = EngineConfig(
             model=model, load_format="dummy", device="cuda", max_num_seqs=max(batches),
-            max_model_len=MAX_MODEL_LEN[model], gpu_memory_utilization=0.5,
+            max_model_len=MAX_MODEL_LEN[model], gpu_memory_utilization=0.5, quantization=args.quantization,
         )
         core = EngineCore.from_config(config)
         core.runner.capture_decode_graphs()

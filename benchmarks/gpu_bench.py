@@ -16,7 +16,8 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
   fp8         Llama-3-8B shape, our bf16 engine against FP8 weights (--quantization fp8) on the same
               weights, then an FP8 KV cache (--kv-cache-dtype fp8_e4m3) against bf16 KV: batch-1 decode
               tok/s (with the fraction of the FP8 byte roofline), one 8K-token prefill, 64 x 512 x 256
-              throughput; KV tokens per GiB; greedy agreement with the bf16 engine (20 random prompts)
+              throughput; KV tokens per GiB; greedy agreement with the bf16 engine (20 random prompts), and
+              the floor of that measure: the bf16 engine against itself, prompts batched vs one at a time
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
@@ -794,6 +795,11 @@ def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda",
     core = engine_on(model, model_config, device, **settings)
     bf16 = fp8_speeds(core, sizes)
     reference = generate(core, prompts, z["agree_new"])
+    # the floor of the measure on random weights: the same bf16 engine, each prompt run alone
+    # (batch-1 GEMVs instead of batched GEMMs: bf16 rounding differences only)
+    floor = agreement(reference, [generate(core, [prompt], z["agree_new"])[0] for prompt in prompts])
+    emit(bench="agreement_floor", model=name, peer="the same bf16 engine, prompts batched vs one at a time",
+         prompts=len(prompts), new_tokens=z["agree_new"], **floor.record())
     bf16_kv = dict(tokens_per_gib=core.kv_tokens_per_gib, num_kv_blocks=core.kv.num_blocks)
     del core
     free_cuda()

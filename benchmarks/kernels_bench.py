@@ -7,7 +7,8 @@ each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth``
 ``fused_decode_attention_graph`` rows time one decode layer's attention (SmolLM2 and Llama-3-8B
 shapes) as decode_attention against rotary_embedding + store_kv + paged_attention, inside CUDA
 graphs, as the engine replays decode steps; the ``gemv`` rows time the decode projections
-(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches.
+(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches. The ``fp8``
+rows time fp8 weights against bf16 by path and batch size (see ``bench_fp8``).
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
@@ -30,8 +31,10 @@ from triton.testing import do_bench
 # Run as a script from anywhere: the repository root holds the kernels package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.models.fp8 import quantize_weight
 from kernels import reference, triton_ops
 from kernels.triton_ops import attention, fused_decode, gemv
+from kernels.triton_ops import fp8 as fp8_ops
 from loadtest.stamp import emit
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -134,16 +137,16 @@ def causal_flops(context_lens: list[int], query_lens: list[int]) -> int:
     return 4 * pairs * NUM_HEADS * HEAD_DIM
 
 
-def patched(name: str, value: object, fn: Callable[[], object]) -> Callable[[], object]:
+def patched(name: str, value: object, fn: Callable[..., object]) -> Callable[..., object]:
     """``fn`` run with ``name`` set to ``value`` in each Triton op module that looks it up."""
 
-    def run():
-        holders = [m for m in (attention, fused_decode, gemv) if name in vars(m)]
+    def run(*args):
+        holders = [m for m in (attention, fused_decode, gemv, fp8_ops) if name in vars(m)]
         chosen = [getattr(m, name) for m in holders]
         for m in holders:
             setattr(m, name, value)
         try:
-            return fn()
+            return fn(*args)
         finally:
             for m, c in zip(holders, chosen):
                 setattr(m, name, c)
@@ -200,22 +203,25 @@ def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
             del args
 
 
-def graph_us_per_call(fn: Callable[[], object]) -> float:
+def graph_us_per_call(fn: Callable[..., object], layers: int = 0, replays: int = GRAPH_REPLAYS) -> float:
     """Microseconds per call of ``fn`` captured GRAPH_LAYER_CALLS times in one CUDA graph and
-    replayed GRAPH_REPLAYS times: the launch gaps between kernels count, the host does not."""
-    fn()  # compiles, and allocates what must exist before a capture
+    replayed ``replays`` times: the launch gaps between kernels count, the host does not. With
+    ``layers``, call ``i`` is ``fn(i % layers)`` (weights that L2 cannot hold from call to call)."""
+    calls = [(lambda i=i: fn(i % layers)) if layers else fn for i in range(GRAPH_LAYER_CALLS)]
+    for call in calls[: max(layers, 1)]:
+        call()  # compiles, and allocates what must exist before a capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_LAYER_CALLS):
-            fn()
+        for call in calls:
+            call()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(GRAPH_REPLAYS):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * GRAPH_LAYER_CALLS)
+    return start.elapsed_time(end) * 1e3 / (replays * GRAPH_LAYER_CALLS)
 
 
 def decode_cache(batch: int, num_kv_heads: int, head_dim: int, capacity: int, context: int, block_size: int):
@@ -539,13 +545,143 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
     )
 
 
+# --- FP8 weights -------------------------------------------------------------------------------
+
+# Llama-3-8B layers whose weights are rotated from call to call: 4 x 218 MB of fp8 never stay in L2.
+FP8_LAYERS = 4
+FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FP8_PREFILL_ROWS = (1024, 8192)
+FP8_GEMV_SWEEP = [(4, 1024, 4, 3), (4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 512, 4, 3),
+                  (16, 1024, 8, 3)]
+FP8_REPLAYS = 100
+LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
+
+
+def bench_fp8(bandwidth: float, sweep: bool) -> None:
+    """fp8 weights (per-channel scales) against bf16 at Llama-3-8B shapes, under CUDA graphs over
+    rotated layers: the batch-1 GEMV per projection, as a layer's chain and for the LM head;
+    then a layer's four projections at growing batches by each fp8 path (the GEMV; the rows'
+    quantization and torch._scaled_mm) against bf16 (GEMV or cuBLAS), which sets the crossover;
+    then prefill batches (do_bench, TFLOP/s)."""
+    hidden, qkv_width, q_width, inter = GEMV_SHAPES["llama3-8b"]
+    bf16 = [LayerWeights.random(hidden, qkv_width, q_width, inter) for _ in range(FP8_LAYERS)]
+    fp8 = [{name: quantize_weight(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")} for w in bf16]
+    _fp8_decode(bf16, fp8, bandwidth, sweep)
+    _fp8_batches(bf16, fp8)
+    _fp8_prefill(bf16[0], fp8[0])
+
+
+def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
+    """name -> (bf16 call, fp8 call, fp8 weight bytes); each call takes the layer index."""
+    x, residual = (torch.randn(rows, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(2))
+    attn = torch.randn(rows, bf16[0].q_width, dtype=DTYPE, device="cuda")
+    act = torch.randn(rows, INTERMEDIATE, dtype=DTYPE, device="cuda")
+    eps = GEMV_EPS
+    return {
+        "qkv": (lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, bf16[i].qkv)[0],
+                lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, fp8[i]["qkv"][0], False,
+                                                 fp8[i]["qkv"][1])[0]),
+        "o": (lambda i: triton_ops.linear(attn, bf16[i].o), lambda i: triton_ops.linear(attn, *fp8[i]["o"])),
+        "gate_up": (lambda i: triton_ops.norm_linear(x, bf16[i].ln2, eps, residual, bf16[i].gate_up, True)[0],
+                    lambda i: triton_ops.norm_linear(x, bf16[i].ln2, eps, residual, fp8[i]["gate_up"][0], True,
+                                                     fp8[i]["gate_up"][1])[0]),
+        "down": (lambda i: triton_ops.linear(act, bf16[i].down), lambda i: triton_ops.linear(act, *fp8[i]["down"])),
+    }
+
+
+def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
+    layers = len(bf16)
+    cases = _fp8_projection_cases(bf16, fp8, 1)
+    for name, (bf16_fn, fp8_fn) in cases.items():
+        roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
+        bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
+        fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
+        fields = {}
+        if name in ("qkv", "gate_up"):
+            fields["fp8_two_pass_norm_us"] = round(
+                graph_us_per_call(patched("FP8_NORM_IN_EPILOGUE", False, fp8_fn), layers, FP8_REPLAYS), 2)
+        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1, tiles=list(gemv.GEMV_TILES),
+             bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
+             fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3), **fields,
+             max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
+        if sweep:
+            for alt in FP8_GEMV_SWEEP:
+                tiles = gemv.GemvTiles(*alt)
+                alt_us = graph_us_per_call(patched("GEMV_TILES", tiles, fp8_fn), layers, FP8_REPLAYS)
+                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
+                     fp8_of_roofline=round(roofline_us / alt_us, 3))
+
+    def chain(kind: int):
+        def run(i: int):
+            for fns in cases.values():
+                fns[kind](i)
+        return run
+
+    bf16_us, fp8_us = (graph_us_per_call(chain(kind), layers, FP8_REPLAYS) for kind in (0, 1))
+    roofline_us = sum(w.numel() for w in fp8[0].values() for w in w[:1]) / bandwidth * 1e6
+    emit(bench="fp8_gemv_layer_chain", shape="llama3-8b", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
+         fp8_roofline_us=round(roofline_us, 2), fp8_of_roofline=round(roofline_us / fp8_us, 3),
+         speedup=round(bf16_us / fp8_us, 3))
+    head = torch.randn(LM_HEAD_ROWS, HIDDEN, dtype=DTYPE, device="cuda") / math.sqrt(HIDDEN)
+    head_fp8 = quantize_weight(head)
+    x = torch.randn(1, HIDDEN, dtype=DTYPE, device="cuda")
+    bf16_us = graph_us_per_call(lambda: triton_ops.linear(x, head), replays=FP8_REPLAYS)
+    fp8_us = graph_us_per_call(lambda: triton_ops.linear(x, *head_fp8), replays=FP8_REPLAYS)
+    emit(bench="fp8_gemv_lm_head", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
+         bf16_roofline_us=round(head.numel() * ELEMENT / bandwidth * 1e6, 2), speedup=round(bf16_us / fp8_us, 3))
+
+
+def _fp8_batches(bf16, fp8) -> None:
+    """A layer's four plain projections (x of the right width) per batch size and path."""
+    layers = len(bf16)
+    names = ("qkv", "o", "gate_up", "down")
+    for rows in FP8_BATCH_ROWS:
+        inputs = {n: torch.randn(rows, fp8[0][n][0].shape[1], dtype=DTYPE, device="cuda") for n in names}
+
+        def layer(path):
+            def run(i: int):
+                for n in names:
+                    path(inputs[n], getattr(bf16[i], n), *fp8[i][n])
+            return run
+
+        paths = {
+            "bf16": lambda x, w, wf, s: triton_ops.linear(x, w),
+            "fp8_default": lambda x, w, wf, s: triton_ops.linear(x, wf, s),
+            "fp8_scaled_mm": lambda x, w, wf, s: fp8_ops.scaled_linear(x, wf, s),
+            "quantize_only": lambda x, w, wf, s: fp8_ops.quantize_rows(x),
+        }
+        if rows <= 4:
+            paths["fp8_gemv"] = lambda x, w, wf, s: gemv._launch_gemv(x, wf, s, wf.shape[0])
+        us = {k: round(graph_us_per_call(layer(p), layers, FP8_REPLAYS), 2) for k, p in paths.items()}
+        emit(bench="fp8_layer_linears", shape="llama3-8b", rows=rows, **{f"{k}_us": v for k, v in us.items()},
+             fp8_default_speedup=round(us["bf16"] / us["fp8_default"], 3))
+
+
+def _fp8_prefill(bf16: LayerWeights, fp8: dict) -> None:
+    for rows in FP8_PREFILL_ROWS:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(bf16, name)
+            wf, s = fp8[name]
+            x = torch.randn(rows, w.shape[1], dtype=DTYPE, device="cuda")
+            x_fp8, x_scale = fp8_ops.quantize_rows(x)
+            flops = 2 * rows * w.numel()
+            bf16_us = time_us(lambda: torch.nn.functional.linear(x, w))
+            fp8_us = time_us(lambda: triton_ops.linear(x, wf, s))
+            mm_us = time_us(lambda: torch._scaled_mm(x_fp8, wf.t(), scale_a=x_scale, scale_b=s.view(1, -1),
+                                                     out_dtype=torch.bfloat16))
+            emit(bench="fp8_prefill_linear", rows=rows, proj=name, bf16_us=round(bf16_us, 1), fp8_us=round(fp8_us, 1),
+                 scaled_mm_only_us=round(mm_us, 1), bf16_tflop_s=round(flops / bf16_us / 1e6, 1),
+                 fp8_tflop_s=round(flops / fp8_us / 1e6, 1), scaled_mm_tflop_s=round(flops / mm_us / 1e6, 1),
+                 speedup=round(bf16_us / fp8_us, 3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention and GEMV tiles")
     parser.add_argument(
-        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv"),
+        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "fp8"),
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
     args = parser.parse_args()
@@ -560,6 +696,7 @@ def main() -> None:
         "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
         "gemv": lambda: bench_gemv(bandwidth, args.sweep),
+        "fp8": lambda: bench_fp8(bandwidth, args.sweep),
     }
     for name, run in groups.items():
         if args.only in (None, name):

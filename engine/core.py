@@ -17,6 +17,7 @@ Not thread-safe, except :meth:`EngineCore.check_admissible` and :meth:`EngineCor
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -234,9 +235,11 @@ class EngineCore:
                 "max_tokens",
             )
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            # the longest sequence the pool holds (a hybrid pool's window groups keep their window only)
+            capacity = bisect.bisect_right(range(total), self.kv.num_blocks, key=self.kv.blocks_needed) - 1
             raise ProtocolError(
                 f"prompt + max_tokens ({total} tokens) needs more KV cache than this engine has "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens)",
+                f"({capacity} tokens)",
                 "max_tokens",
             )
 

@@ -10,6 +10,8 @@ the subnormals. Why at load, from a fixed sequence: the scales (and so every out
 depend on which request came first, and they are fixed before CUDA graphs capture their address.
 Values past the calibrated range saturate at ±448 (never NaN). The kernels fold K's scale into
 the softmax scale and V's into the output: no per-element multiply.
+What the choice costs (benchmarks/fp8_kv_probe.py, SmolLM2): neither one scale of 1.0 nor a
+scale per token and head agrees better with fp32 KV than these; K's 3 mantissa bits are the cost.
 
 A prefix hit, an exact-position copy or a resumed prefill reads the quantized pages, as the
 request that wrote them did: with an fp8 cache even a cold prefill attends to its own chunk

@@ -127,7 +127,7 @@ class Scheduler:
             if drafts and self.kv.allocate(seq, 1 + len(drafts)) is not None:
                 seq.draft_ids = drafts
                 num_new += len(drafts)
-            elif not self._reserve(seq, num_new):  # no room for a draft never preempts anyone
+            elif not (num_new := self._reserve(seq, num_new)):  # no room for a draft never preempts anyone
                 break
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
@@ -141,7 +141,9 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = self.kv.match_prefix(seq)
             num_new = min(seq.num_tokens - prefix.num_tokens, budget, prompt_room)
-            if self.kv.allocate(seq, num_new, prefix) is None:
+            while (allocated := self.kv.allocate(seq, num_new, prefix)) is None and not self.running and num_new > 1:
+                num_new //= 2  # alone, nothing will free blocks: a smaller chunk needs fewer window blocks
+            if allocated is None:
                 break
             self.waiting.popleft()
             if not seq.output_ids:  # first admission, not a resumption after preemption
@@ -264,15 +266,19 @@ class Scheduler:
         room = min(budget, seq.sampling.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose(seq, room) if room > 0 else []
 
-    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> int:
         """Allocate running ``seq``'s next tokens, preempting the latest running sequences until
-        they fit; False if ``seq`` itself had to go."""
+        they fit; a prompt chunk that would preempt ``seq`` itself halves first. Returns the tokens
+        allocated, 0 if ``seq`` itself had to go."""
         while self.kv.allocate(seq, num_new_tokens) is None:
+            if self.running[-1] is seq and num_new_tokens > 1:
+                num_new_tokens //= 2  # a smaller chunk needs fewer blocks (window groups: far fewer)
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return num_new_tokens
 
     def _release_held(self, seq: Sequence) -> None:
         siblings = self.held[seq.request_id]

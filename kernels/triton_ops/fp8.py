@@ -1,5 +1,5 @@
 """FP8 (E4M3) pieces the kernels share: the saturating cast, per-row activation quantization
-and the scaled GEMM of ``linear`` with fp8 weights beyond the GEMV's batches."""
+and the scaled GEMM of ``linear`` with fp8 weights beyond the GEMV's one row."""
 
 from __future__ import annotations
 

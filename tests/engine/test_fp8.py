@@ -157,9 +157,10 @@ def fp32_reference(smollm2):
 def test_fp8_kv_greedy_agreement_on_smollm2(smollm2, fp32_reference):
     result = agreement(fp32_reference, generate(make_core(smollm2, kv_cache_dtype="fp8_e4m3"), smollm2_prompts(), 32))
     print("fp8 KV vs fp32 KV on SmolLM2:", result.record())
-    # Measured 0.653 (mean |dlogprob| 0.053): below the issue's 0.95 goal, the limit of E4M3's 3
-    # mantissa bits on this 135M model, not of the scales (see the issue note). A broken scale or
-    # dequantization falls far below this bound.
+    # Measured 0.653 and 0.694 in two runs (mean |dlogprob| 0.052; accuracy_smollm2_cpu.jsonl),
+    # while the bf16 model itself agrees 0.645 with fp32: the issue's 0.95 is below this measure's
+    # floor on a 135M model (fp8_kv_probe_smollm2_cpu.jsonl). A broken scale or dequantization
+    # falls far below this bound.
     assert result.agreement >= 0.55 and result.mean_abs_dlogprob <= 0.1
 
 
@@ -170,9 +171,10 @@ def test_fp8_weights_greedy_agreement_on_smollm2(smollm2, fp32_reference):
                                                 smollm2_prompts(), 32))
     print("fp8 weights vs fp32 weights on SmolLM2:", result.record())
     assert is_fp8(model) and not is_fp8(smollm2[0])
-    # Measured 0.295 (mean |dlogprob| 0.101; benchmarks/results/accuracy_smollm2_cpu.jsonl): fp8
-    # activations and weights cost this small model more than fp8 KV does (see the issue note).
-    assert result.agreement >= 0.2 and result.mean_abs_dlogprob <= 0.15
+    # Measured 0.295 and 0.242 in two runs (mean |dlogprob| 0.101 and 0.114;
+    # benchmarks/results/accuracy_smollm2_cpu.jsonl): fp8 activations and weights cost this small
+    # model more than fp8 KV does.
+    assert result.agreement >= 0.15 and result.mean_abs_dlogprob <= 0.15
 
 
 def test_fp8_kv_on_a_hybrid_pool(gemma_tiny):  # noqa: F811 (the imported fixture)

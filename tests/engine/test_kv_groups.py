@@ -14,7 +14,7 @@ from engine.core import EngineCore
 from engine.kv_cache import BlockCounts, PositionEntry, entry_key
 from engine.kv_groups import FREED, HybridKVCacheManager, KVLayout, group_tables, kv_layout
 from engine.models import build_model
-from engine.protocol import EngineStats, GenerateRequest, SamplingParams
+from engine.protocol import EngineStats, GenerateRequest, ProtocolError, SamplingParams
 from engine.request import Sequence
 from kernels import load_ops
 
@@ -355,3 +355,31 @@ def test_padded_decode_graphs_read_every_groups_tables(gemma_tiny):
         decode_buckets(core.config.max_num_seqs), capture=False, num_groups=len(runner.layout.group_windows),
     )
     assert run(core, prompts, max_tokens=90) == eager
+
+
+def test_a_lone_prompt_whose_chunk_outgrows_the_pool_runs_in_smaller_chunks(gemma_tiny):
+    """60 blocks of 16 tokens, 128-token chunks: the chunk at 128 needs the window blocks from 64
+    to 256 in each of five window groups (60) plus the full group's 16. With nothing else running
+    to free blocks, the scheduler halves the chunk instead of waiting forever."""
+    prompt = [random.Random(6).randrange(2, 512) for _ in range(300)]
+    small = engine(gemma_tiny, num_kv_blocks=60, max_num_batched_tokens=128)
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    small.add_request(GenerateRequest("a", prompt, sampling))
+    tokens = []
+    for _ in range(100):  # the fixed prompt takes a few dozen steps; a stalled one never ends
+        tokens += [t for frame in small.step() for t in frame.token_ids]
+        small.check_integrity()
+        if not small.has_work():
+            break
+    assert not small.has_work() and small.scheduler.num_preemptions == 0
+    assert tokens == run(engine(gemma_tiny), {"a": prompt})["a"][0]
+
+
+def test_a_request_longer_than_the_pool_holds_names_the_hybrid_capacity(gemma_tiny):
+    """60 blocks: five window groups hold 5 blocks each at any length, the full group the rest,
+    35 blocks of 16 tokens (not the 960 tokens of 60 blocks)."""
+    small = engine(gemma_tiny, num_kv_blocks=60)
+    request = GenerateRequest("a", [5] * 500, SamplingParams(max_tokens=100))
+    with pytest.raises(ProtocolError, match=r"\(560 tokens\)"):
+        small.check_admissible(request)
+    small.check_admissible(GenerateRequest("b", [5] * 500, SamplingParams(max_tokens=60)))
