@@ -268,10 +268,10 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> int:
         """Allocate running ``seq``'s next tokens, preempting the latest running sequences until
-        they fit; a prompt chunk that would preempt ``seq`` itself halves first. Returns the tokens
-        allocated, 0 if ``seq`` itself had to go."""
+        they fit; a prompt chunk of ``seq`` running alone halves instead (preempting itself would
+        free nothing for anyone else). Returns the tokens allocated, 0 if ``seq`` itself had to go."""
         while self.kv.allocate(seq, num_new_tokens) is None:
-            if self.running[-1] is seq and num_new_tokens > 1:
+            if len(self.running) == 1 and num_new_tokens > 1:
                 num_new_tokens //= 2  # a smaller chunk needs fewer blocks (window groups: far fewer)
                 continue
             victim = self.running.pop()
