@@ -16,13 +16,11 @@ that its op set calls instead of ``F.linear``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import CausalLM, Linear
+from engine.models.layers import CausalLM
 from kernels import KernelOps
 
 # Products of at most this many rows use the transposed copy (x @ Wt); more rows the oneDNN-packed weight.
@@ -88,27 +86,19 @@ class CpuOps:
         return (self.base.silu_and_mul(out) if gated else out), residual
 
 
-def _projections(model: CausalLM) -> Iterator[Linear]:
-    return (m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
-
-
 def _head(model: CausalLM) -> nn.Parameter:
     return (model.model.embed_tokens if model.lm_head is None else model.lm_head).weight
 
 
 def _use_cpu_ops(model: CausalLM) -> None:
-    if isinstance(model.ops, CpuOps):  # transformed before (an engine built twice on one model)
-        return
-    ops = CpuOps(model.ops)
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
+    if not isinstance(model.ops, CpuOps):  # else transformed before (an engine built twice on one model)
+        model.use_ops(CpuOps(model.ops))
 
 
 @torch.no_grad()
 def transpose_weights(model: CausalLM) -> CausalLM:
     """Give every fp32 projection and the LM head its transposed and packed copies."""
-    for weight in (*(m.weight for m in _projections(model)), _head(model)):
+    for weight in (*(m.weight for m in model.projections()), _head(model)):
         if not hasattr(weight, "cpu_matmul"):
             weight.cpu_matmul = Fp32Matmul(weight)
     _use_cpu_ops(model)
@@ -119,7 +109,7 @@ def transpose_weights(model: CausalLM) -> CausalLM:
 def quantize_int8(model: CausalLM) -> CausalLM:
     """Quantize ``model``'s projections to int8 in place (each original freed as it goes), and give
     the LM head an int8 copy (a tied head's table stays the embedding's)."""
-    for module in _projections(model):
+    for module in model.projections():
         matmul = Int8(module.weight)
         module.weight = nn.Parameter(matmul.weight, requires_grad=False)
         module.weight.cpu_matmul = matmul

@@ -64,41 +64,29 @@ def is_fp8(model: CausalLM) -> bool:
     return isinstance(model.ops, Fp8Ops)
 
 
-def _projections(model: CausalLM) -> Iterator[Linear]:
-    """The Linear modules the transform quantizes: every one but the LM head."""
-    return (m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
-
-
 def _set_fp8(module: Linear, weight: torch.Tensor, scale: torch.Tensor) -> None:
     module.weight = nn.Parameter(weight, requires_grad=False)
     module.weight_scale = nn.Parameter(scale, requires_grad=False)
     module.weight.weight_scale = module.weight_scale  # what Fp8Ops passes along with the weight
 
 
-def _use_fp8_ops(model: CausalLM) -> None:
-    ops = Fp8Ops(model.ops)
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
-
-
 @torch.no_grad()
 def quantize_fp8(model: CausalLM) -> CausalLM:
     """Quantize ``model``'s loaded projections to fp8 in place (each original freed as it goes)."""
-    for module in _projections(model):
+    for module in model.projections():
         _set_fp8(module, *quantize_weight(module.weight))
-    _use_fp8_ops(model)
+    model.use_ops(Fp8Ops(model.ops))
     return model
 
 
 def prepare_fp8(model: CausalLM) -> CausalLM:
     """Give ``model`` (weights not loaded yet) empty fp8 projections and scales to load into."""
-    for module in _projections(model):
+    for module in model.projections():
         out_features, in_features = module.weight.shape
         device = module.weight.device
         _set_fp8(module, torch.empty(out_features, in_features, dtype=FP8, device=device),
                  torch.empty(out_features, dtype=torch.float32, device=device))
-    _use_fp8_ops(model)
+    model.use_ops(Fp8Ops(model.ops))
     return model
 
 

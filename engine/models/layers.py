@@ -8,7 +8,7 @@ op that touches the KV cache or is worth a kernel comes from the ``ops`` set
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +192,16 @@ class CausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.factory = {"device": torch.device(device), "dtype": dtype}
+
+    def projections(self) -> Iterator[Linear]:
+        """Every Linear but the LM head: what the weight transforms (FP8, CPU) rewrite."""
+        return (m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head)
+
+    def use_ops(self, ops: KernelOps) -> None:
+        """Give this model and every module in it ``ops`` (a transform's op set)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def _finish(self) -> None:
         self.lm_head = (
