@@ -42,6 +42,7 @@ tokens.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -193,7 +194,7 @@ class PositionEntries:
             raise IntegrityError(f"{len(self.by_block)} entries exceed the cap of {self.cap}")
 
 
-class BlockPool:
+class BlockPool(ABC):
     """The block pool both KV managers share (:class:`KVCacheManager`, one group;
     ``engine.kv_groups.HybridKVCacheManager``, layer groups): ref counts, the LRU free queue, KV
     events, the prefix counters and exact-position entries with one page per group. A subclass
@@ -327,18 +328,18 @@ class BlockPool:
         self.ref_cnt[block_id] = 1
         return block_id
 
+    @abstractmethod
     def _forget_hash(self, block_id: int) -> None:
         """Drop the hash ``block_id`` holds from the cache maps (it is being reused)."""
-        raise NotImplementedError
 
     def _hash_group(self, block_id: int) -> int:
         """The layer group whose cache map holds ``block_id``'s hash."""
         return 0
 
+    @abstractmethod
     def _cache_block(self, block_id: int, group: int, block_hash: BlockHash, parent: BlockHash | None) -> None:
         """Record that ``block_id`` holds the KV of ``block_hash`` in ``group`` (``parent``: the
         block before it, for group 0's index resyncs)."""
-        raise NotImplementedError
 
     def _load_from_host(self, loads: list[tuple[int, int]], hashes: list[BlockHash]) -> list[int]:
         """New blocks for ``loads``, (layer group, index into ``hashes``) of blocks the host tier
@@ -520,10 +521,12 @@ class BlockPool:
         return counts
 
     def _check_tables(self, seq: Sequence) -> None:
-        """Raise IntegrityError if ``seq``'s tables break a rule of the subclass (none here)."""
+        """Raise IntegrityError if ``seq``'s tables break a rule of the subclass."""
+        return  # one table, no rule beyond the pool's; the hybrid manager adds its groups' rules
 
+    @abstractmethod
     def _check_cache_maps(self) -> None:
-        raise NotImplementedError
+        """Raise IntegrityError if the subclass's cache maps disagree with the blocks' hashes."""
 
 
 class KVCacheManager(BlockPool):
