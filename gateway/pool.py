@@ -118,6 +118,7 @@ class EnginePool:
         """A request or probe failed on ``replica`` (``refused``: the connection was refused). When that
         opens its breaker, the requests still waiting on it are interrupted."""
         was_closed = replica.breaker.closed
+        replica.failed_at = time.monotonic()
         replica.breaker.record_failure(refused)
         self._refresh(replica, reason)
         if was_closed and not replica.breaker.closed and replica.streams:
@@ -155,6 +156,8 @@ class EnginePool:
     async def _poll(self, replica: Replica) -> None:
         if not replica.breaker.probe_due():
             return  # open: cooling down
+        asked_at = time.monotonic()
+        stats = None
         try:
             stats = await replica.client.stats(self._stats_timeout)
         except EngineUnavailable as exc:
@@ -164,7 +167,9 @@ class EnginePool:
             reason = str(exc)  # it answered: reachable, just not ready (loading, failed)
         except ValueError as exc:
             reason = f"malformed /stats: {exc}"
-        else:
+        if replica.failed_at > asked_at:
+            return  # a request saw it fail while this answer was on its way: the answer is older
+        if stats is not None:
             info = ModelInfo.from_stats(stats)
             if self.model is None:
                 self.model = info

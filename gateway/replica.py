@@ -52,6 +52,7 @@ class Replica:
     busy_sample: tuple[float, float] | None = None  # (engine's total_busy_seconds, monotonic time) at the last poll
     engine_ready: bool = False  # its last /stats answered 200 with the pool's model
     error: str | None = None  # why it is not ready
+    failed_at: float = float("-inf")  # monotonic time of its last reported failure
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     streams: set[Interruptible] = field(default_factory=set)  # this gateway's engine requests on it
 

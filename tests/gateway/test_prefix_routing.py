@@ -409,11 +409,14 @@ class Engines:
         self.stats: dict[str, object] = {h: {**STATS, "replica_id": f"id-{h}"} for h in hosts}
         # ok | refuse | reset_first | reset_later | hang_head | hang_first | hang_later (hang: never answer more)
         self.generate: dict[str, str] = dict.fromkeys(hosts, "ok")
+        self.stats_held: dict[str, asyncio.Event] = {}  # /stats answers only once the event is set
         self.calls: list[str] = []
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         if request.url.path == "/stats":
+            if host in self.stats_held:
+                await self.stats_held[host].wait()
             answer = self.stats[host]
             if isinstance(answer, Exception):
                 raise answer
@@ -582,6 +585,23 @@ async def test_polls_open_the_breaker_then_probe_it_closed():
         await pool.poll()  # the probe
     assert a.ready and a.breaker.closed and a.error is None
     assert [x["event"] for x in logs] == ["replica_ready"]
+    await transport.aclose()
+
+
+async def test_a_health_answer_older_than_a_failure_does_not_bring_the_replica_back():
+    """A request finds the engine gone while a /stats answer sent before its death is still on its way."""
+    engines = Engines("a")
+    pool, dispatcher, transport = await ready_pool(engines)
+    (a,) = pool.replicas
+    engines.stats_held["a"] = asyncio.Event()
+    poll = asyncio.create_task(pool.poll())
+    await asyncio.sleep(0.01)  # the probe is out
+    engines.generate["a"] = "refuse"
+    with pytest.raises(NoReplicaAvailable, match="every engine replica failed"):
+        await dispatcher.open(REQUEST)
+    engines.stats_held["a"].set()
+    await finished(poll)
+    assert not a.ready and a.breaker.state is BreakerState.OPEN
     await transport.aclose()
 
 
