@@ -57,6 +57,8 @@ def load_hf_tokenizer(path: str, cache_dir: Path) -> Any:
     """A transformers fast tokenizer for a GGUF file (converted once, then cached) or an HF directory."""
     import transformers
 
+    from engine.gguf_reader import transformers_reads_plainly
+
     source = Path(path)
     start = time.perf_counter()
     if source.is_dir():
@@ -73,7 +75,8 @@ def load_hf_tokenizer(path: str, cache_dir: Path) -> Any:
             tok = transformers.AutoTokenizer.from_pretrained(str(cached))
             origin = "cache"
         else:
-            tok = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+            with transformers_reads_plainly():
+                tok = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
             _save_atomically(tok, cached)
             origin = "gguf"
     log.info("tokenizer_loaded", path=path, origin=origin, seconds=round(time.perf_counter() - start, 2),

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import structlog
 import torch
 
@@ -116,7 +115,9 @@ def load_tokenizer_info(model: str, load_format: str, config: ModelConfig) -> xg
     if load_format == "auto":
         load_format = _detect_format(model)
     if load_format == "gguf":
-        info = _gguf_tokenizer_info(_gguf_reader(Path(model)), config)
+        from engine.gguf_reader import open_gguf
+
+        info = _gguf_tokenizer_info(open_gguf(Path(model)), config)
     elif load_format == "hf":
         info = _hf_tokenizer_info(Path(model), config)
     else:
@@ -149,24 +150,6 @@ def _fill(net: CausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: Pa
 
 
 # --- GGUF ------------------------------------------------------------------------------------
-
-
-def _gguf_reader(path: Path) -> gguf.GGUFReader:
-    import gguf
-
-    class PlainArrayReader(gguf.GGUFReader):
-        # Parsing ~100k tokenizer strings through np.memmap's Python-level subclass hooks takes
-        # seconds; a plain ndarray view of the same mapping reads identically at a third of it.
-        @property
-        def data(self) -> np.ndarray:
-            return self._data
-
-        @data.setter
-        def data(self, value: np.memmap) -> None:
-            self._data = value.view(np.ndarray)
-
-    # Copy-on-write mapping: writable arrays for torch.from_numpy, and the file is never touched.
-    return PlainArrayReader(path, mode="c")
 
 
 _REQUIRED = object()
@@ -320,11 +303,13 @@ def _gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tupl
 def _load_gguf(
     path: Path, device: torch.device, dtype: torch.dtype, ops: KernelOps
 ) -> tuple[CausalLM, ModelConfig]:
+    from engine.gguf_reader import open_gguf
+
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     start = time.perf_counter()
     try:
-        reader = _gguf_reader(path)
+        reader = open_gguf(path)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:

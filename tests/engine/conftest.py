@@ -38,9 +38,12 @@ def hf_gguf_model(gguf_path):
     """HF transformers' LlamaForCausalLM from the same GGUF, fp32 (about 30 s to load)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    from engine.gguf_reader import transformers_reads_plainly
+
+    with transformers_reads_plainly():
+        return AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -458,14 +458,16 @@ class Verdict(BaseModel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_required_tool_choice_calls_validate(smollm2_gateway, temperature):
+async def test_constrained_required_tool_choice_calls_validate(smollm2_gateway):
+    """Greedy, and ten seeded samples, all at once (the engine batches them)."""
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
-    sdk = client(smollm2_gateway)
-    for seed in range(10):
-        resp = sdk.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[USER], tools=[tool],
-                                           tool_choice="required", max_tokens=300, temperature=temperature,
-                                           seed=seed)
+    sdk = openai.AsyncOpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    responses = await asyncio.gather(*(
+        sdk.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[USER], tools=[tool], tool_choice="required",
+                                    max_tokens=300, temperature=temperature, seed=seed)
+        for temperature, seed in [(0.0, 0), *((1.0, seed) for seed in range(10))]))
+    await sdk.close()
+    for resp in responses:
         choice = resp.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         for call in choice.message.tool_calls:
@@ -509,19 +511,19 @@ def test_constrained_structured_outputs_regex_and_choice(smollm2_gateway):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_constrained_parse_of_the_ten_benchmark_schemas(smollm2_gateway, temperature):
+async def test_constrained_parse_of_the_ten_benchmark_schemas(smollm2_gateway):
     sdk = openai.AsyncOpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
-    async def parsed(model, prompt):
+    async def parsed(model, prompt, temperature):
         resp = await sdk.chat.completions.parse(
             model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": prompt}], response_format=model,
             max_tokens=MAX_TOKENS, temperature=temperature, seed=7)
         return resp.choices[0].message.parsed
 
-    results = await asyncio.gather(*(parsed(model, prompt) for model, prompt in SCHEMAS.values()))
+    cases = [(model, prompt, temperature) for temperature in (0.0, 1.0) for model, prompt in SCHEMAS.values()]
+    results = await asyncio.gather(*(parsed(*case) for case in cases))
     await sdk.close()
-    assert [type(r) for r in results] == [model for model, _ in SCHEMAS.values()]
+    assert [type(r) for r in results] == [model for model, _, _ in cases]
 
 
 def test_parser_settings(tokenizer):
