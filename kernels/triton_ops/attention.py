@@ -46,16 +46,14 @@ def _online_softmax(s, m_i, l_i, scale_log2, MAY_SEE_NONE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
-    k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, kv_start=0, window=0,
+def _load_kv_tile(
+    tile_start, kv_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+    cache_stride_h, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, kv_start=0,
 ):
-    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
-    through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
-    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``),
-    "window" (keys ``kv_start … kv_end - 1`` are read; a row sees keys ``q_pos - window + 1 … q_pos``)."""
+    """The K and V tiles of keys ``tile_start … tile_start + BLOCK_N - 1``, gathered through the
+    block table (zeros where masked), with the keys' positions and which of them exist (see
+    ``_attend_tile`` for ``MASK``)."""
     tok = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
     tok_ok = tok < kv_end
@@ -76,6 +74,15 @@ def _attend_tile(
         kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    return k, v, tok, tok_ok
+
+
+@triton.jit
+def _attend_kv(
+    q, k, v, acc, m_i, l_i, q_pos, tok, tok_ok, scale_log2, MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, window=0,
+):
+    """The online-softmax step over a loaded K/V tile (``_load_kv_tile``'s)."""
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     if MASK == "end":
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -87,6 +94,24 @@ def _attend_tile(
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2, MASK == "window")
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
+    k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, kv_start=0, window=0,
+):
+    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
+    through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
+    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``),
+    "window" (keys ``kv_start … kv_end - 1`` are read; a row sees keys ``q_pos - window + 1 … q_pos``)."""
+    k, v, tok, tok_ok = _load_kv_tile(
+        tile_start, kv_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+        cache_stride_h, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, MASK, kv_start,
+    )
+    return _attend_kv(q, k, v, acc, m_i, l_i, q_pos, tok, tok_ok, scale_log2, MASK, DOT_DTYPE, DOT_PRECISION, window)
 
 
 @triton.jit

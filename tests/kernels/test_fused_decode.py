@@ -23,7 +23,7 @@ from kernel_cases import (
 )
 
 from kernels import QKNorm, reference, triton_ops
-from kernels.triton_ops import _launch, attention
+from kernels.triton_ops import _launch, attention, fused_decode
 
 
 @dataclass
@@ -256,3 +256,11 @@ def test_gpu_decode_attention_cuda_graph_replays_other_lengths(monkeypatch):
         eager = step.run(triton_ops.decode_attention, k_cache.clone(), v_cache.clone())
         assert_close(eager, expected_out, rtol=tol, atol=tol / 4)
     assert compiled == []
+
+
+def test_decode_attention_fused_merges_in_several_loads(ops, monkeypatch):
+    """More splits hold keys than one merge load takes: the last program merges them in turns."""
+    monkeypatch.setattr(fused_decode, "_FUSED_DECODE_MERGED_SPLITS", 2)
+    monkeypatch.setattr(fused_decode, "_FUSED_DECODE_LONG_SPLIT_TOKENS", 32)
+    step = make_decode_step([333, 70, 0], group=3, extra_table_blocks=2)
+    check_decode_step(ops.decode_attention, step, ULP[torch.float32], repeats=2)
