@@ -376,14 +376,18 @@ def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> Attenti
     if kind in ("decode", "fused_decode", "fused_decode_one"):
         if dtype == torch.float32 or head_dim_pad > 128:
             return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
+        if kind == "decode":  # the split-K kernel runs long contexts: three stages
+            return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=3)
+        # The fused kernel runs at short contexts (a few tiles a split): two stages. Fastest on the
+        # H200 at 128-2K tokens (kernels_bench.py --only decode_layer --sweep): at batch 1, in a
+        # decoder layer, 128-key steps for 64-wide heads (SmolLM2) but 64-key ones, twice the
+        # splits, for 128-wide heads (Llama 3 8B: 6.6 us less a layer at 640 tokens than 128-key
+        # steps); at batch 64, 128-key steps for 64-wide heads (1.3x at 2K tokens) and 32-key
+        # ones for 128-wide heads (up to 1.3x at 128 tokens).
+        narrow = head_dim_pad <= 64
         if kind == "fused_decode_one":
-            # A single sequence has few programs: longer steps (and for 64-wide heads, more warps)
-            # were up to 1.2x faster on the H200 at 512-2K tokens (kernels_bench.py --sweep).
-            return AttentionTiles(block_m=1, block_n=128, num_warps=8 if head_dim_pad <= 64 else 4, num_stages=2)
-        # The fused kernel holds more in registers and runs at short contexts (a few tiles a
-        # split): two stages beat three there on the H200 (kernels_bench.py --sweep), by up to
-        # 1.4x at batch 64; the split-K kernel keeps three for long contexts.
-        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=2 if kind == "fused_decode" else 3)
+            return AttentionTiles(block_m=1, block_n=128 if narrow else 64, num_warps=4, num_stages=2)
+        return AttentionTiles(block_m=1, block_n=128 if narrow else 32, num_warps=4, num_stages=2)
     if dtype == torch.float32:  # 3xTF32 dots keep three operand splits in registers
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim_pad > 128:
