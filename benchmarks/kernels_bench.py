@@ -558,14 +558,14 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int, context: int, 
     tiles = attention.attention_tiles("fused_decode_one", head_dim, DTYPE)
     emit(
         bench="decode_layer_graph", shape=shape, rows=1, context=context, tiles=list(tiles),
-        merged_splits=fused_decode._FUSED_DECODE_MERGED_SPLITS,
+        merged_splits=fused_decode._FUSED_DECODE_ONE_MERGED_SPLITS,
         layer_us=round(graph_us_per_call(layer), 2), no_pdl_us=round(graph_us_per_call(without_pdl(layer)), 2),
     )
     if sweep:
         for alt in DECODE_LAYER_SWEEP:
             for merged in DECODE_LAYER_MERGED_SPLITS:
                 fn = with_tiles("fused_decode_one", attention.AttentionTiles(1, *alt), layer)
-                fn = patched("_FUSED_DECODE_MERGED_SPLITS", merged, fn)
+                fn = patched("_FUSED_DECODE_ONE_MERGED_SPLITS", merged, fn)
                 emit(bench="decode_layer_sweep", shape=shape, context=context, tiles=[1, *alt],
                      merged_splits=merged, layer_us=round(graph_us_per_call(fn), 2))
 

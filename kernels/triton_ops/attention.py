@@ -378,16 +378,13 @@ def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> Attenti
             return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
         if kind == "decode":  # the split-K kernel runs long contexts: three stages
             return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=3)
-        # The fused kernel runs at short contexts (a few tiles a split): two stages. Fastest on the
-        # H200 at 128-2K tokens (kernels_bench.py --only decode_layer --sweep): at batch 1, in a
-        # decoder layer, 128-key steps for 64-wide heads (SmolLM2) but 64-key ones, twice the
-        # splits, for 128-wide heads (Llama 3 8B: 6.6 us less a layer at 640 tokens than 128-key
-        # steps); at batch 64, 128-key steps for 64-wide heads (1.3x at 2K tokens) and 32-key
-        # ones for 128-wide heads (up to 1.3x at 128 tokens).
-        narrow = head_dim_pad <= 64
+        # The fused kernel runs at short contexts (a few tiles a split): two stages. At batch 1,
+        # fastest on the H200 in a decoder layer at 128-2K tokens (kernels_bench.py --only
+        # decode_layer --sweep): 128-key steps for 64-wide heads (SmolLM2) but 64-key ones, twice
+        # the splits, for 128-wide heads (Llama 3 8B: 6.6 us less a layer at 640 tokens).
         if kind == "fused_decode_one":
-            return AttentionTiles(block_m=1, block_n=128 if narrow else 64, num_warps=4, num_stages=2)
-        return AttentionTiles(block_m=1, block_n=128 if narrow else 32, num_warps=4, num_stages=2)
+            return AttentionTiles(block_m=1, block_n=128 if head_dim_pad <= 64 else 64, num_warps=4, num_stages=2)
+        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=2)
     if dtype == torch.float32:  # 3xTF32 dots keep three operand splits in registers
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim_pad > 128:

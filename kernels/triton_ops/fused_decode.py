@@ -42,10 +42,14 @@ from kernels.triton_ops.attention import (
 from kernels.triton_ops.kv_store import _to_cache
 from kernels.triton_ops.norm_rope import _check_qk_norm
 
-# The last program merges the partials, this many per load: a context's keys go to at most this
-# many splits (16 beat 8 by up to 1.7 us a Llama 3 8B layer at 640-2K tokens on the H200), more
-# only past this many keys a split.
-_FUSED_DECODE_MERGED_SPLITS = 16
+# The last program merges the partials: a context's keys go to at most this many splits, more
+# only past _FUSED_DECODE_LONG_SPLIT_TOKENS keys a split. One sequence (batch 1) takes up to 16,
+# merged in one load (16 beat 8 by up to 1.7 us a Llama 3 8B layer at 640-2K tokens on the H200),
+# and loads its first tile before waiting on the previous kernel (a GEMV that lets it launch
+# early); larger batches keep 8, merged one by one, and load every tile after the wait: with the
+# batch-1 choices the nano-vllm workload (batch up to 256) ran 11 % slower (gpu_bench_h200_fusion.jsonl).
+_FUSED_DECODE_MERGED_SPLITS = 8
+_FUSED_DECODE_ONE_MERGED_SPLITS = 16
 _FUSED_DECODE_LONG_SPLIT_TOKENS = 1024
 
 
@@ -82,12 +86,12 @@ def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
 def _merge_partials(
     partial_out_ptr, partial_lse_ptr, out_ptr, out_stride_t, out_stride_h, seq, kv_head, num_heads, num_splits,
     num_active, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    MERGED_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     """The output of one kv head's GROUP query heads: the ``num_active`` splits' partials merged,
-    MERGED_SPLITS of them per load (a short context's all in one: one round trip to L2)."""
+    MERGE_CHUNK of them per load (all of them: one round trip to L2)."""
     g = tl.arange(0, GROUP_P2)
-    s = tl.arange(0, MERGED_SPLITS)
+    s = tl.arange(0, MERGE_CHUNK)
     d = tl.arange(0, DIM_PAD)
     head = kv_head * GROUP + g
     g_ok = g < GROUP
@@ -95,7 +99,7 @@ def _merge_partials(
     m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
     total = tl.zeros([GROUP_P2], dtype=tl.float32)
     merged = tl.zeros([GROUP_P2, DIM_PAD], dtype=tl.float32)
-    for first in range(0, num_active, MERGED_SPLITS):
+    for first in range(0, num_active, MERGE_CHUNK):
         index = partials[:, None] + (first + s)[None, :]
         ok = g_ok[:, None] & (first + s < num_active)[None, :]
         # .cg: from L2, where the other programs' partials are.
@@ -127,18 +131,19 @@ def _fused_decode_kernel(
     out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    MERGED_SPLITS: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_NORM: tl.constexpr,
+    MERGED_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
+    PREFETCH_FIRST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     """Program (seq, kv head, split): RoPE (after the q/k norms, with HAS_NORM) on the GROUP query
     heads of one kv head, then attention over one key range. Keys before the new token come from
     the pages; the new token (the context's last position) is rotated, stored and attended from
-    registers by the split that holds it, so no program waits for another's store. The split's
-    first page tile is loaded before waiting on the previous kernel: earlier steps wrote it. With
-    more than one split holding keys, each writes a partial (normalized output and log2-sum-exp)
-    and counts its arrival; the last to arrive merges the partials and resets the counter to 0
-    for the next launch. A window (> 0) drops the keys before the last ``window`` positions: the
-    splits share the rest."""
+    registers by the split that holds it, so no program waits for another's store. With
+    PREFETCH_FIRST the split's first page tile is loaded before waiting on the previous kernel:
+    earlier steps wrote it. With more than one split holding keys, each writes a partial
+    (normalized output and log2-sum-exp) and counts its arrival; the last to arrive merges the
+    partials, MERGE_CHUNK per load, and resets the counter to 0 for the next launch. A window
+    (> 0) drops the keys before the last ``window`` positions: the splits share the rest."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,10 +163,13 @@ def _fused_decode_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
     paged_end = tl.maximum(tl.where(holds_new, end - 1, end), start)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    first_k, first_v, first_tok, first_ok = _load_kv_tile(
-        start, paged_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
-        cache_stride_h, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end",
-    )
+    loop_start = start
+    if PREFETCH_FIRST:
+        first_k, first_v, first_tok, first_ok = _load_kv_tile(
+            start, paged_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+            cache_stride_h, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end",
+        )
+        loop_start = start + BLOCK_N
 
     position = tl.load(positions_ptr + seq).to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
@@ -194,18 +202,20 @@ def _fused_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
     scale_log2 = _key_scaled(scale_log2, k_scale_ptr, kv_head)
-    if start < paged_end:
-        acc, m_i, l_i = _attend_kv(
-            q, first_k, first_v, acc, m_i, l_i, g, first_tok, first_ok, scale_log2, "end", DOT_DTYPE, DOT_PRECISION,
-        )
+    if PREFETCH_FIRST:
+        if start < paged_end:
+            acc, m_i, l_i = _attend_kv(
+                q, first_k, first_v, acc, m_i, l_i, g, first_tok, first_ok, scale_log2, "end", DOT_DTYPE,
+                DOT_PRECISION,
+            )
     full_end = start + (paged_end - start) // BLOCK_N * BLOCK_N
-    for tile_start in range(start + BLOCK_N, full_end, BLOCK_N):
+    for tile_start in range(loop_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, g, tile_start, paged_end, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
             HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "none", DOT_DTYPE, DOT_PRECISION,
         )
-    if (full_end > start) & (full_end < paged_end):  # a last, partial tile after the first
+    if (full_end >= loop_start) & (full_end < paged_end):  # a last, partial tile (not the prefetched one)
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, g, full_end, paged_end, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
@@ -244,7 +254,7 @@ def _fused_decode_kernel(
             if arrived == num_active - 1:  # the last: every other partial is visible
                 _merge_partials(
                     partial_out_ptr, partial_lse_ptr, out_ptr, out_stride_t, out_stride_h, seq, kv_head, num_heads,
-                    num_splits, num_active, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, MERGED_SPLITS,
+                    num_splits, num_active, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, MERGE_CHUNK,
                 )
                 tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
             return
@@ -319,7 +329,10 @@ def decode_attention(
     if num_seqs == 0:
         return out
     head_dim_pad = _dot_pad(head_dim)
-    tiles = attention_tiles(fused_decode_kind(num_seqs), head_dim_pad, q.dtype)
+    kind = fused_decode_kind(num_seqs)
+    tiles = attention_tiles(kind, head_dim_pad, q.dtype)
+    one = kind == "fused_decode_one"
+    merged_splits = _FUSED_DECODE_ONE_MERGED_SPLITS if one else _FUSED_DECODE_MERGED_SPLITS
     num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
     split = num_splits > 1
     partial_out = partial_lse = counters = out  # unused without split-K
@@ -335,7 +348,8 @@ def decode_attention(
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group), GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
-        MERGED_SPLITS=_FUSED_DECODE_MERGED_SPLITS, LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS,
+        MERGED_SPLITS=merged_splits, MERGE_CHUNK=merged_splits if one else 1,
+        LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS, PREFETCH_FIRST=one,
         **_dot_args(q.dtype), **_pdl_args(q.device), HAS_NORM=qk_norm is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
