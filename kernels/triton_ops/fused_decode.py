@@ -46,9 +46,10 @@ from kernels.triton_ops.norm_rope import _check_qk_norm
 # only past _FUSED_DECODE_LONG_SPLIT_TOKENS keys a split. One sequence (batch 1) takes up to 16,
 # merged in one load (16 beat 8 by up to 1.7 us a Llama 3 8B layer at 640-2K tokens on the H200),
 # and loads its first tile before waiting on the previous kernel (a GEMV that lets it launch
-# early); larger batches keep 8, merged one by one, and load every tile after the wait: with the
-# batch-1 choices the nano-vllm workload (batch up to 256) ran 11 % slower (gpu_bench_h200_fusion.jsonl).
+# early); larger batches keep 8, merged two per load, and load every tile after the wait: with
+# the batch-1 choices the nano-vllm workload (batch up to 256) ran 11 % slower (gpu_bench_h200_fusion.jsonl).
 _FUSED_DECODE_MERGED_SPLITS = 8
+_FUSED_DECODE_MERGE_CHUNK = 2
 _FUSED_DECODE_ONE_MERGED_SPLITS = 16
 _FUSED_DECODE_LONG_SPLIT_TOKENS = 1024
 
@@ -348,7 +349,7 @@ def decode_attention(
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
         GROUP=group, GROUP_PAD=_dot_pad(group), GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
-        MERGED_SPLITS=merged_splits, MERGE_CHUNK=merged_splits if one else 1,
+        MERGED_SPLITS=merged_splits, MERGE_CHUNK=merged_splits if one else _FUSED_DECODE_MERGE_CHUNK,
         LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS, PREFETCH_FIRST=one,
         **_dot_args(q.dtype), **_pdl_args(q.device), HAS_NORM=qk_norm is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
