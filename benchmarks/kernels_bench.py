@@ -7,7 +7,8 @@ each call); ``roofline_us`` is the bytes the kernel must move at ``--bandwidth``
 ``fused_decode_attention_graph`` rows time one decode layer's attention (SmolLM2 and Llama-3-8B
 shapes) as decode_attention against rotary_embedding + store_kv + paged_attention, inside CUDA
 graphs, as the engine replays decode steps; the ``gemv`` rows time the decode projections
-(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches. The ``fp8``
+(linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches; the
+``decode_layer`` rows a whole batch-1 decoder layer (the GEMVs and decode_attention). The ``fp8``
 rows time fp8 weights against bf16 by path and batch size (see ``bench_fp8``).
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
@@ -48,7 +49,7 @@ DECODE_CONTEXTS = (512, 4096, 32768)
 # (query heads, kv heads, head_dim, block-table capacity).
 FUSED_DECODE_SHAPES = {"smollm2": (9, 3, 64, 2048), "llama3-8b": (32, 8, 128, 8192)}
 FUSED_DECODE_BATCHES = (1, 64)
-FUSED_DECODE_CONTEXTS = (512, 2048, 8192)  # past a shape's capacity, the table widens to the context
+FUSED_DECODE_CONTEXTS = (128, 640, 2048, 8192)  # past a shape's capacity, the table widens to the context
 GRAPH_LAYER_CALLS = 10  # calls per captured graph, as a model's layers: the graph launch amortizes
 GRAPH_REPLAYS = 1000
 DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
@@ -400,7 +401,11 @@ def bench_small_ops(block_size: int, bandwidth: float) -> None:
 
 # Decode projections of one layer: (hidden, q + 2 kv heads' width, q width, intermediate).
 GEMV_SHAPES = {"smollm2": (576, 960, 576, 1536), "llama3-8b": (4096, 6144, 4096, 14336)}
-LAYER_CONTEXT = 640  # the decode_layer_graph rows: one sequence this long, as decode_profile's
+# The decode_layer_graph rows: one sequence this long (640: decode_profile's; 128-384: gpu_bench's decode_b1)
+DECODE_LAYER_CONTEXTS = (128, 640, 2048)
+# Their --sweep: decode_attention's batch-1 tiles (block_n, num_warps, num_stages) x merged splits
+DECODE_LAYER_SWEEP = [(128, 8, 2), (128, 4, 2), (64, 4, 2), (64, 8, 2)]
+DECODE_LAYER_MERGED_SPLITS = (8, 16)
 GEMV_ROWS = (1, 2, 4)
 GEMV_SWEEP = [
     (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 3), (4, 1024, 2, 3), (4, 1024, 4, 2), (4, 1024, 4, 4),
@@ -447,15 +452,27 @@ GEMV_EPS = 1e-5
 def bench_gemv(bandwidth: float, sweep: bool) -> None:
     """Decode-batch projections under CUDA graphs: linear/norm_linear (one GEMV launch each)
     against the launches they replace (rms_norm, cuBLAS, silu_and_mul), per projection and as a
-    layer's chain of four (attention left out), with and without programmatic dependent launch;
-    then a whole batch-1 decoder layer (the four and decode_attention), with and without it."""
+    layer's chain of four (attention left out), with and without programmatic dependent launch."""
     for shape, (hidden, qkv_width, q_width, inter) in GEMV_SHAPES.items():
         w = LayerWeights.random(hidden, qkv_width, q_width, inter)
         for rows in GEMV_ROWS:
             x, residual = (torch.randn(rows, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
             _bench_projections(shape, w, x, residual, bandwidth, sweep)
             _bench_chain(shape, w, x, residual, bandwidth)
-        _bench_decode_layer(shape, w, hidden)
+
+
+def bench_decode_layer(bandwidth: float, sweep: bool) -> None:
+    """A whole batch-1 decoder layer (the four GEMVs and decode_attention) under CUDA graphs, as
+    the engine's graphs replay it, at each of DECODE_LAYER_CONTEXTS, with and without programmatic
+    dependent launch; the chain of four alone (gemv_layer_chain_graph) comes first: the layer's
+    time less the chain's is what attention costs in place. ``sweep``: decode_attention's tiles
+    and merged splits too. The weights stay in L2 from call to call (SmolLM2's; Llama 3 8B's do not fit)."""
+    for shape, (hidden, qkv_width, q_width, inter) in GEMV_SHAPES.items():
+        w = LayerWeights.random(hidden, qkv_width, q_width, inter)
+        x, residual = (torch.randn(1, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
+        _bench_chain(shape, w, x, residual, bandwidth)
+        for context in DECODE_LAYER_CONTEXTS:
+            _bench_decode_layer(shape, w, hidden, context, sweep)
 
 
 def _bench_projections(shape: str, w: LayerWeights, x: torch.Tensor, residual: torch.Tensor, bandwidth: float,
@@ -517,11 +534,10 @@ def _bench_chain(shape: str, w: LayerWeights, x: torch.Tensor, residual: torch.T
     )
 
 
-def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
-    """A whole decoder layer of a batch-1 decode step, as the engine's graphs replay it."""
+def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int, context: int, sweep: bool) -> None:
     num_heads, num_kv_heads, head_dim, capacity = FUSED_DECODE_SHAPES[shape]
     k_cache, v_cache, tables, slots, positions, seq_lens = decode_cache(
-        1, num_kv_heads, head_dim, capacity, LAYER_CONTEXT, 16
+        1, num_kv_heads, head_dim, capacity, context, 16
     )
     cos_sin = reference.rope_cos_sin_cache(head_dim, capacity, 10000.0, device="cuda")
     x, residual = (torch.randn(1, hidden, dtype=DTYPE, device="cuda") for _ in range(2))
@@ -533,16 +549,25 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
         attn = triton_ops.decode_attention(
             positions, q.view(1, num_heads, head_dim), k.view(1, num_kv_heads, head_dim),
             v.view(1, num_kv_heads, head_dim), cos_sin, k_cache, v_cache, slots, tables, seq_lens,
-            head_dim**-0.5, [LAYER_CONTEXT],
+            head_dim**-0.5, [context],
         )
         h = triton_ops.linear(attn.view(1, w.q_width), w.o)
         a, res = triton_ops.norm_linear(h, w.ln2, GEMV_EPS, res, w.gate_up, gated=True)
         return triton_ops.linear(a, w.down)
 
+    tiles = attention.attention_tiles("fused_decode_one", head_dim, DTYPE)
     emit(
-        bench="decode_layer_graph", shape=shape, rows=1, context=LAYER_CONTEXT,
+        bench="decode_layer_graph", shape=shape, rows=1, context=context, tiles=list(tiles),
+        merged_splits=fused_decode._FUSED_DECODE_ONE_MERGED_SPLITS,
         layer_us=round(graph_us_per_call(layer), 2), no_pdl_us=round(graph_us_per_call(without_pdl(layer)), 2),
     )
+    if sweep:
+        for alt in DECODE_LAYER_SWEEP:
+            for merged in DECODE_LAYER_MERGED_SPLITS:
+                fn = with_tiles("fused_decode_one", attention.AttentionTiles(1, *alt), layer)
+                fn = patched("_FUSED_DECODE_ONE_MERGED_SPLITS", merged, fn)
+                emit(bench="decode_layer_sweep", shape=shape, context=context, tiles=[1, *alt],
+                     merged_splits=merged, layer_us=round(graph_us_per_call(fn), 2))
 
 
 # --- FP8 weights -------------------------------------------------------------------------------
@@ -681,7 +706,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention and GEMV tiles")
     parser.add_argument(
-        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "fp8"),
+        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "decode_layer", "fp8"),
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
     args = parser.parse_args()
@@ -696,6 +721,7 @@ def main() -> None:
         "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
         "gemv": lambda: bench_gemv(bandwidth, args.sweep),
+        "decode_layer": lambda: bench_decode_layer(bandwidth, args.sweep),
         "fp8": lambda: bench_fp8(bandwidth, args.sweep),
     }
     for name, run in groups.items():

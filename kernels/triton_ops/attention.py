@@ -46,16 +46,14 @@ def _online_softmax(s, m_i, l_i, scale_log2, MAY_SEE_NONE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
-    k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, kv_start=0, window=0,
+def _load_kv_tile(
+    tile_start, kv_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+    cache_stride_h, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, kv_start=0,
 ):
-    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
-    through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
-    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``),
-    "window" (keys ``kv_start … kv_end - 1`` are read; a row sees keys ``q_pos - window + 1 … q_pos``)."""
+    """The K and V tiles of keys ``tile_start … tile_start + BLOCK_N - 1``, gathered through the
+    block table (zeros where masked), with the keys' positions and which of them exist (see
+    ``_attend_tile`` for ``MASK``)."""
     tok = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
     tok_ok = tok < kv_end
@@ -76,6 +74,15 @@ def _attend_tile(
         kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    return k, v, tok, tok_ok
+
+
+@triton.jit
+def _attend_kv(
+    q, k, v, acc, m_i, l_i, q_pos, tok, tok_ok, scale_log2, MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, window=0,
+):
+    """The online-softmax step over a loaded K/V tile (``_load_kv_tile``'s)."""
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     if MASK == "end":
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -87,6 +94,24 @@ def _attend_tile(
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2, MASK == "window")
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head, block_table_row,
+    k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, kv_start=0, window=0,
+):
+    """One online-softmax step over keys ``tile_start … tile_start + BLOCK_N - 1``, gathered
+    through the block table. ``MASK``: "none" (all of them exist and are visible), "end" (only
+    keys ``< kv_end``), "causal" (keys ``< kv_end`` are read; a row sees keys ``<= q_pos``),
+    "window" (keys ``kv_start … kv_end - 1`` are read; a row sees keys ``q_pos - window + 1 … q_pos``)."""
+    k, v, tok, tok_ok = _load_kv_tile(
+        tile_start, kv_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+        cache_stride_h, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, MASK, kv_start,
+    )
+    return _attend_kv(q, k, v, acc, m_i, l_i, q_pos, tok, tok_ok, scale_log2, MASK, DOT_DTYPE, DOT_PRECISION, window)
 
 
 @triton.jit
@@ -351,14 +376,15 @@ def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> Attenti
     if kind in ("decode", "fused_decode", "fused_decode_one"):
         if dtype == torch.float32 or head_dim_pad > 128:
             return AttentionTiles(block_m=1, block_n=32, num_warps=4, num_stages=2)
+        if kind == "decode":  # the split-K kernel runs long contexts: three stages
+            return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=3)
+        # The fused kernel runs at short contexts (a few tiles a split): two stages. At batch 1,
+        # fastest on the H200 in a decoder layer at 128-2K tokens (kernels_bench.py --only
+        # decode_layer --sweep): 128-key steps for 64-wide heads (SmolLM2) but 64-key ones, twice
+        # the splits, for 128-wide heads (Llama 3 8B: 6.6 us less a layer at 640 tokens).
         if kind == "fused_decode_one":
-            # A single sequence has few programs: longer steps (and for 64-wide heads, more warps)
-            # were up to 1.2x faster on the H200 at 512-2K tokens (kernels_bench.py --sweep).
-            return AttentionTiles(block_m=1, block_n=128, num_warps=8 if head_dim_pad <= 64 else 4, num_stages=2)
-        # The fused kernel holds more in registers and runs at short contexts (a few tiles a
-        # split): two stages beat three there on the H200 (kernels_bench.py --sweep), by up to
-        # 1.4x at batch 64; the split-K kernel keeps three for long contexts.
-        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=2 if kind == "fused_decode" else 3)
+            return AttentionTiles(block_m=1, block_n=128 if head_dim_pad <= 64 else 64, num_warps=4, num_stages=2)
+        return AttentionTiles(block_m=1, block_n=64, num_warps=4, num_stages=2)
     if dtype == torch.float32:  # 3xTF32 dots keep three operand splits in registers
         return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim_pad > 128:

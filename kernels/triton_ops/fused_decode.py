@@ -21,6 +21,7 @@ from kernels.triton_ops._checks import (
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
 from kernels.triton_ops.attention import (
     _LOG2E,
+    _attend_kv,
     _attend_tile,
     _cache_strides,
     _check_attention_heads,
@@ -29,6 +30,7 @@ from kernels.triton_ops.attention import (
     _dot_args,
     _dot_pad,
     _key_scaled,
+    _load_kv_tile,
     _split_partials,
     _split_tokens,
     _value_scaled,
@@ -40,9 +42,15 @@ from kernels.triton_ops.attention import (
 from kernels.triton_ops.kv_store import _to_cache
 from kernels.triton_ops.norm_rope import _check_qk_norm
 
-# The last program merges the partials one by one: its keys go to at most this many splits
-# (fastest on the H200 at 512 and 2K tokens), more only past this many keys a split.
+# The last program merges the partials: a context's keys go to at most this many splits, more
+# only past _FUSED_DECODE_LONG_SPLIT_TOKENS keys a split. One sequence (batch 1) takes up to 16,
+# merged in one load (16 beat 8 by up to 1.7 us a Llama 3 8B layer at 640-2K tokens on the H200),
+# and loads its first tile before waiting on the previous kernel (a GEMV that lets it launch
+# early); larger batches keep 8, merged two per load, and load every tile after the wait: with
+# the batch-1 choices the nano-vllm workload (batch up to 256) ran 11 % slower (gpu_bench_h200_fusion.jsonl).
 _FUSED_DECODE_MERGED_SPLITS = 8
+_FUSED_DECODE_MERGE_CHUNK = 2
+_FUSED_DECODE_ONE_MERGED_SPLITS = 16
 _FUSED_DECODE_LONG_SPLIT_TOKENS = 1024
 
 
@@ -75,6 +83,44 @@ def _attend_new_key(q, k, v, acc, m_i, l_i, scale_log2):
     return acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :], m_new, l_i * alpha + p
 
 
+@triton.jit
+def _merge_partials(
+    partial_out_ptr, partial_lse_ptr, out_ptr, out_stride_t, out_stride_h, seq, kv_head, num_heads, num_splits,
+    num_active, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """The output of one kv head's GROUP query heads: the ``num_active`` splits' partials merged,
+    MERGE_CHUNK of them per load (all of them: one round trip to L2)."""
+    g = tl.arange(0, GROUP_P2)
+    s = tl.arange(0, MERGE_CHUNK)
+    d = tl.arange(0, DIM_PAD)
+    head = kv_head * GROUP + g
+    g_ok = g < GROUP
+    partials = (seq * num_heads + head) * num_splits  # split 0's partial, per head
+    m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([GROUP_P2], dtype=tl.float32)
+    merged = tl.zeros([GROUP_P2, DIM_PAD], dtype=tl.float32)
+    for first in range(0, num_active, MERGE_CHUNK):
+        index = partials[:, None] + (first + s)[None, :]
+        ok = g_ok[:, None] & (first + s < num_active)[None, :]
+        # .cg: from L2, where the other programs' partials are.
+        lse = tl.load(partial_lse_ptr + index, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            partial_out_ptr + index[:, :, None] * HEAD_DIM + d[None, None, :],
+            mask=ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # the padding heads see no split
+        alpha = tl.exp2(m - m_ref)
+        weight = tl.exp2(lse - m_ref[:, None])
+        merged = merged * alpha[:, None] + tl.sum(part * weight[:, :, None], 1)
+        total = total * alpha + tl.sum(weight, 1)
+        m = m_new
+    out_ptrs = out_ptr + seq.to(tl.int64) * out_stride_t + head[:, None] * out_stride_h + d[None, :]
+    out = merged / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
 # The block table's width follows the batch: never specialize on it (nor on the split count or
 # the window).
 @triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
@@ -84,27 +130,29 @@ def _fused_decode_kernel(
     counters_ptr, q_norm_ptr, k_norm_ptr, norm_eps, scale_log2, num_splits, window,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     out_stride_t, out_stride_h, cache_stride_b, cache_stride_s, cache_stride_h, block_tables_stride,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    MERGED_SPLITS: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_NORM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    MERGED_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, LONG_SPLIT_TOKENS: tl.constexpr,
+    PREFETCH_FIRST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     """Program (seq, kv head, split): RoPE (after the q/k norms, with HAS_NORM) on the GROUP query
-    heads of one kv head, then
-    attention over one key range. Keys before the new token come from the pages; the new token
-    (the context's last position) is rotated, stored and attended from registers by the split
-    that holds it, so no program waits for another's store. With more than one split holding
-    keys, each writes a partial (normalized output and log2-sum-exp) and counts its arrival;
-    the last to arrive merges the partials and resets the counter to 0 for the next launch.
-    A window (> 0) drops the keys before the last ``window`` positions: the splits share the rest."""
+    heads of one kv head, then attention over one key range. Keys before the new token come from
+    the pages; the new token (the context's last position) is rotated, stored and attended from
+    registers by the split that holds it, so no program waits for another's store. With
+    PREFETCH_FIRST the split's first page tile is loaded before waiting on the previous kernel:
+    earlier steps wrote it. With more than one split holding keys, each writes a partial
+    (normalized output and log2-sum-exp) and counts its arrival; the last to arrive merges the
+    partials, MERGE_CHUNK per load, and resets the counter to 0 for the next launch. A window
+    (> 0) drops the keys before the last ``window`` positions: the splits share the rest."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = _window_start(seq_len, window)
     num_keys = seq_len - first_key
-    # The last program merges the partials one by one: at most MERGED_SPLITS of the splits share
-    # the keys, more only past LONG_SPLIT_TOKENS keys each (a long context needs the programs).
+    # The last program merges the partials: at most MERGED_SPLITS of the splits share the keys
+    # (one load each), more only past LONG_SPLIT_TOKENS keys each (a long context needs the programs).
     long_splits = (num_keys + LONG_SPLIT_TOKENS - 1) // LONG_SPLIT_TOKENS
     tokens_per_split = _split_tokens(num_keys, tl.minimum(num_splits, tl.maximum(long_splits, MERGED_SPLITS)), BLOCK_N)
     # A padding row (length 0) keeps one program: it writes the zeros.
@@ -115,6 +163,14 @@ def _fused_decode_kernel(
     start = first_key + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     paged_end = tl.maximum(tl.where(holds_new, end - 1, end), start)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    loop_start = start
+    if PREFETCH_FIRST:
+        first_k, first_v, first_tok, first_ok = _load_kv_tile(
+            start, paged_end, kv_head, block_table_row, k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s,
+            cache_stride_h, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end",
+        )
+        loop_start = start + BLOCK_N
 
     position = tl.load(positions_ptr + seq).to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
@@ -127,39 +183,46 @@ def _fused_decode_kernel(
     signed_sin = tl.where(d < HEAD_DIM // 2, -sin, sin)
     head = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & d_ok[None, :]
-    if USE_PDL:  # what comes before is the step's inputs; q, k and v are the previous kernel's
+    if USE_PDL:  # what comes before is the step's inputs and older pages; q, k and v are the previous kernel's
         tl.extra.cuda.gdc_wait()
     q_heads = q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h
     q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :],
                       q_norm_ptr, norm_eps, HEAD_DIM, HAS_NORM)
     # Rounded to q's dtype, as rotary_embedding returns it.
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+    # The new token's k and v, loaded with q (only the split that holds it reads them): rounded as
+    # rotary_embedding returns k, then as store_kv writes k and v.
+    new_ok = d_ok & holds_new
+    k_row = k_ptr + seq.to(tl.int64) * k_stride_t + kv_head * k_stride_h
+    v_row = v_ptr + seq.to(tl.int64) * v_stride_t + kv_head * v_stride_h
+    k_new = _load_rotated(k_row, d, rot_d, new_ok, cos, signed_sin, k_norm_ptr, norm_eps, HEAD_DIM,
+                          HAS_NORM).to(k_ptr.dtype.element_ty)
+    v_new = tl.load(v_row + d, mask=new_ok, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     scale_log2 = _key_scaled(scale_log2, k_scale_ptr, kv_head)
+    if PREFETCH_FIRST:
+        if start < paged_end:
+            acc, m_i, l_i = _attend_kv(
+                q, first_k, first_v, acc, m_i, l_i, g, first_tok, first_ok, scale_log2, "end", DOT_DTYPE,
+                DOT_PRECISION,
+            )
     full_end = start + (paged_end - start) // BLOCK_N * BLOCK_N
-    for tile_start in range(start, full_end, BLOCK_N):
+    for tile_start in range(loop_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, g, tile_start, paged_end, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
             HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "none", DOT_DTYPE, DOT_PRECISION,
         )
-    if full_end < paged_end:
+    if (full_end >= loop_start) & (full_end < paged_end):  # a last, partial tile (not the prefetched one)
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, g, full_end, paged_end, kv_head, block_table_row,
             k_cache_ptr, v_cache_ptr, cache_stride_b, cache_stride_s, cache_stride_h, scale_log2,
             HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end", DOT_DTYPE, DOT_PRECISION,
         )
     if holds_new:
-        k_row = k_ptr + seq.to(tl.int64) * k_stride_t + kv_head * k_stride_h
-        v_row = v_ptr + seq.to(tl.int64) * v_stride_t + kv_head * v_stride_h
-        # Rounded as rotary_embedding returns k, then as store_kv writes k and v.
-        k_new = _load_rotated(k_row, d, rot_d, d_ok, cos, signed_sin, k_norm_ptr, norm_eps, HEAD_DIM,
-                              HAS_NORM).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(v_row + d, mask=d_ok, other=0.0)
         if k_scale_ptr is not None:
             k_new = _to_cache(k_new, tl.load(k_scale_ptr + kv_head), k_cache_ptr)
             v_new = _to_cache(v_new, tl.load(v_scale_ptr + kv_head), v_cache_ptr)
@@ -179,36 +242,24 @@ def _fused_decode_kernel(
 
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
     out = _value_scaled(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], v_scale_ptr, kv_head)
-    out_ptrs = out_ptr + seq.to(tl.int64) * out_stride_t + head[:, None] * out_stride_h + d[None, :]
     if SPLIT:
         if num_active > 1:
-            partials = (seq * tl.num_programs(1) * GROUP + head) * num_splits  # split 0's partial
-            tl.store(partial_lse_ptr + partials + split, m_i + tl.log2(l_i), mask=g < GROUP)
-            tl.store(partial_out_ptr + (partials + split)[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+            num_heads = tl.num_programs(1) * GROUP
+            partials = (seq * num_heads + head) * num_splits + split
+            tl.store(partial_lse_ptr + partials, m_i + tl.log2(l_i), mask=g < GROUP)
+            tl.store(partial_out_ptr + partials[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
             # Every thread's partial is written before the (one-thread) release below.
             tl.debug_barrier()
             counter = counters_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_active - 1:  # the last: every other partial is visible
-                m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-                total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-                merged = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-                for s in range(0, num_active):
-                    # .cg: from L2, where the other programs' partials are.
-                    lse = tl.load(partial_lse_ptr + partials + s, mask=g < GROUP, other=0.0, cache_modifier=".cg")
-                    part = tl.load(
-                        partial_out_ptr + (partials + s)[:, None] * HEAD_DIM + d[None, :],
-                        mask=q_mask, other=0.0, cache_modifier=".cg",
-                    )
-                    m_new = tl.maximum(m, lse)
-                    alpha = tl.exp2(m - m_new)
-                    weight = tl.exp2(lse - m_new)
-                    merged = merged * alpha[:, None] + part * weight[:, None]
-                    total = total * alpha + weight
-                    m = m_new
-                tl.store(out_ptrs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                _merge_partials(
+                    partial_out_ptr, partial_lse_ptr, out_ptr, out_stride_t, out_stride_h, seq, kv_head, num_heads,
+                    num_splits, num_active, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, MERGE_CHUNK,
+                )
                 tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
             return
+    out_ptrs = out_ptr + seq.to(tl.int64) * out_stride_t + head[:, None] * out_stride_h + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -279,7 +330,10 @@ def decode_attention(
     if num_seqs == 0:
         return out
     head_dim_pad = _dot_pad(head_dim)
-    tiles = attention_tiles(fused_decode_kind(num_seqs), head_dim_pad, q.dtype)
+    kind = fused_decode_kind(num_seqs)
+    tiles = attention_tiles(kind, head_dim_pad, q.dtype)
+    one = kind == "fused_decode_one"
+    merged_splits = _FUSED_DECODE_ONE_MERGED_SPLITS if one else _FUSED_DECODE_MERGED_SPLITS
     num_splits = decode_num_splits(num_seqs, num_kv_heads, capacity, tiles.block_n, _num_sms(q.device))
     split = num_splits > 1
     partial_out = partial_lse = counters = out  # unused without split-K
@@ -293,9 +347,10 @@ def decode_attention(
         num_splits, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         out.stride(0), out.stride(1), *_cache_strides(k_cache, block_tables),
-        GROUP=group, GROUP_PAD=_dot_pad(group),
+        GROUP=group, GROUP_PAD=_dot_pad(group), GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT=split,
-        MERGED_SPLITS=_FUSED_DECODE_MERGED_SPLITS, LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS,
+        MERGED_SPLITS=merged_splits, MERGE_CHUNK=merged_splits if one else _FUSED_DECODE_MERGE_CHUNK,
+        LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS, PREFETCH_FIRST=one,
         **_dot_args(q.dtype), **_pdl_args(q.device), HAS_NORM=qk_norm is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

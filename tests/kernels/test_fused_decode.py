@@ -23,7 +23,7 @@ from kernel_cases import (
 )
 
 from kernels import QKNorm, reference, triton_ops
-from kernels.triton_ops import _launch, attention
+from kernels.triton_ops import _launch, attention, fused_decode
 
 
 @dataclass
@@ -256,3 +256,19 @@ def test_gpu_decode_attention_cuda_graph_replays_other_lengths(monkeypatch):
         eager = step.run(triton_ops.decode_attention, k_cache.clone(), v_cache.clone())
         assert_close(eager, expected_out, rtol=tol, atol=tol / 4)
     assert compiled == []
+
+
+@pytest.mark.parametrize("context, extra_table_blocks", [(1, 0), (17, 3), (97, 6), (333, 2)])
+def test_decode_attention_fused_one_sequence(ops, context, extra_table_blocks):
+    """A single sequence: its splits load their first tile before the wait and are merged in one load."""
+    step = make_decode_step([context], group=3, extra_table_blocks=extra_table_blocks)
+    check_decode_step(ops.decode_attention, step, ULP[torch.float32], repeats=2)
+
+
+@pytest.mark.parametrize("context_lens", [[333], [333, 70, 0]])
+def test_decode_attention_fused_merges_in_several_loads(ops, monkeypatch, context_lens):
+    """More splits hold keys than one merge load takes: the last program merges them in turns."""
+    monkeypatch.setattr(fused_decode, "_FUSED_DECODE_ONE_MERGED_SPLITS", 2)
+    monkeypatch.setattr(fused_decode, "_FUSED_DECODE_LONG_SPLIT_TOKENS", 32)
+    step = make_decode_step(context_lens, group=3, extra_table_blocks=2)
+    check_decode_step(ops.decode_attention, step, ULP[torch.float32], repeats=2)
