@@ -551,8 +551,9 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-FP8_GEMV_SWEEP = [(4, 1024, 4, 3), (4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 512, 4, 3),
-                  (16, 1024, 8, 3)]
+# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep
+FP8_GEMV_SWEEP = [(64, 256, 4, 4, 3), (64, 128, 4, 4, 4), (64, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 4, 4, 6),
+                  (128, 128, 4, 4, 2), (128, 256, 8, 3, 2), (32, 256, 4, 4, 4), (32, 512, 4, 3, 4)]
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
@@ -596,18 +597,16 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
         roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
         bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
         fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
-        fields = {}
-        if name in ("qkv", "gate_up"):
-            fields["fp8_two_pass_norm_us"] = round(
-                graph_us_per_call(patched("FP8_NORM_IN_EPILOGUE", False, fp8_fn), layers, FP8_REPLAYS), 2)
-        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1, tiles=list(gemv.GEMV_TILES),
-             bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
-             fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3), **fields,
+        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1,
+             tiles=list(fp8_ops.fp8_gemv_tiles(fp8[0][name][0])), bf16_us=round(bf16_us, 2),
+             fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
+             fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
             for alt in FP8_GEMV_SWEEP:
-                tiles = gemv.GemvTiles(*alt)
-                alt_us = graph_us_per_call(patched("GEMV_TILES", tiles, fp8_fn), layers, FP8_REPLAYS)
+                tiles = fp8_ops.Fp8GemvTiles(*alt)
+                alt_fn = patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", tiles, fp8_fn))
+                alt_us = graph_us_per_call(alt_fn, layers, FP8_REPLAYS)
                 emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
 
@@ -650,8 +649,8 @@ def _fp8_batches(bf16, fp8) -> None:
             "fp8_scaled_mm": lambda x, w, wf, s: fp8_ops.scaled_linear(x, wf, s),
             "quantize_only": lambda x, w, wf, s: fp8_ops.quantize_rows(x),
         }
-        if rows <= 4:
-            paths["fp8_gemv"] = lambda x, w, wf, s: gemv._launch_gemv(x, wf, s, wf.shape[0])
+        if rows <= fp8_ops.FP8_GEMV_QUANTIZED_MAX_ROWS:
+            paths["fp8_gemv"] = lambda x, w, wf, s: fp8_ops.fp8_gemv(x, wf, s, wf.shape[0])
         us = {k: round(graph_us_per_call(layer(p), layers, FP8_REPLAYS), 2) for k, p in paths.items()}
         emit(bench="fp8_layer_linears", shape="llama3-8b", rows=rows, **{f"{k}_us": v for k, v in us.items()},
              fp8_default_speedup=round(us["bf16"] / us["fp8_default"], 3))
@@ -667,10 +666,14 @@ def _fp8_prefill(bf16: LayerWeights, fp8: dict) -> None:
             flops = 2 * rows * w.numel()
             bf16_us = time_us(lambda: torch.nn.functional.linear(x, w))
             fp8_us = time_us(lambda: triton_ops.linear(x, wf, s))
-            mm_us = time_us(lambda: torch._scaled_mm(x_fp8, wf.t(), scale_a=x_scale, scale_b=s.view(1, -1),
-                                                     out_dtype=torch.bfloat16))
+            mm_us, fast_us = (
+                time_us(lambda fast=fast: torch._scaled_mm(x_fp8, wf.t(), scale_a=x_scale, scale_b=s.view(1, -1),
+                                                           out_dtype=torch.bfloat16, use_fast_accum=fast))
+                for fast in (False, True))
+            quantize_us = time_us(lambda: fp8_ops.quantize_rows(x))
             emit(bench="fp8_prefill_linear", rows=rows, proj=name, bf16_us=round(bf16_us, 1), fp8_us=round(fp8_us, 1),
-                 scaled_mm_only_us=round(mm_us, 1), bf16_tflop_s=round(flops / bf16_us / 1e6, 1),
+                 scaled_mm_only_us=round(mm_us, 1), scaled_mm_fast_accum_us=round(fast_us, 1),
+                 quantize_only_us=round(quantize_us, 1), bf16_tflop_s=round(flops / bf16_us / 1e6, 1),
                  fp8_tflop_s=round(flops / fp8_us / 1e6, 1), scaled_mm_tflop_s=round(flops / mm_us / 1e6, 1),
                  speedup=round(bf16_us / fp8_us, 3))
 
