@@ -551,9 +551,15 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep
-FP8_GEMV_SWEEP = [(64, 256, 4, 4, 3), (64, 128, 4, 4, 4), (64, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 4, 4, 6),
-                  (128, 128, 4, 4, 2), (128, 256, 8, 3, 2), (32, 256, 4, 4, 4), (32, 512, 4, 3, 4)]
+# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
+# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor-core kernel)
+FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
+                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (True, 8, 4096, 8, 1, 2),
+                  (True, 16, 1024, 4, 1, 2), (True, 16, 2048, 8, 1, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 64, 256, 4, 3, 2)]
+FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
+FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
@@ -572,12 +578,24 @@ def bench_fp8(bandwidth: float, sweep: bool) -> None:
     _fp8_prefill(bf16[0], fp8[0])
 
 
-def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
-    """name -> (bf16 call, fp8 call, fp8 weight bytes); each call takes the layer index."""
+def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` run with fp8_gemv on ``tiles`` for every shape (at one row, or at more rows)."""
+    default = "FP8_GEMV_ONE_ROW_TILES" if tiles.cuda_cores else "FP8_GEMV_ROWS_TILES"
+    return patched("FP8_GEMV_TILES", {}, patched(default, tiles, fn))
+
+
+def _fp8_projection_cases(bf16, fp8, rows: int, norm: bool = True) -> dict:
+    """name -> (bf16 call, fp8 call); each call takes the layer index. Without ``norm`` every
+    projection is a plain linear (past FP8_GEMV_MAX_ROWS fp8 rows are normed apart anyway)."""
     x, residual = (torch.randn(rows, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(2))
     attn = torch.randn(rows, bf16[0].q_width, dtype=DTYPE, device="cuda")
     act = torch.randn(rows, INTERMEDIATE, dtype=DTYPE, device="cuda")
     eps = GEMV_EPS
+    if not norm:
+        widths = {"qkv": HIDDEN, "o": bf16[0].q_width, "gate_up": HIDDEN, "down": INTERMEDIATE}
+        inputs = {n: torch.randn(rows, k, dtype=DTYPE, device="cuda") for n, k in widths.items()}
+        return {n: (lambda i, n=n: triton_ops.linear(inputs[n], getattr(bf16[i], n)),
+                    lambda i, n=n: triton_ops.linear(inputs[n], *fp8[i][n])) for n in widths}
     return {
         "qkv": (lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, bf16[i].qkv)[0],
                 lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, fp8[i]["qkv"][0], False,
@@ -598,17 +616,26 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
         bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
         fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
         emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1,
-             tiles=list(fp8_ops.fp8_gemv_tiles(fp8[0][name][0])), bf16_us=round(bf16_us, 2),
+             tiles=list(fp8_ops.fp8_gemv_tiles(fp8[0][name][0], 1)), bf16_us=round(bf16_us, 2),
              fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
              fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
-            for alt in FP8_GEMV_SWEEP:
-                tiles = fp8_ops.Fp8GemvTiles(*alt)
-                alt_fn = patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", tiles, fp8_fn))
+            alt_fns = {tuple(alt): with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn) for alt in FP8_GEMV_SWEEP}
+            alt_fns["bits_decoded_by_cvt"] = patched("FP8_BIT_DECODE", False, fp8_fn)
+            for tiles, alt_fn in alt_fns.items():
                 alt_us = graph_us_per_call(alt_fn, layers, FP8_REPLAYS)
-                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
+                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
+    if sweep:
+        for rows in FP8_SWEEP_ROWS:
+            for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows, norm=False).items():
+                roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
+                for alt in FP8_ROWS_SWEEP:
+                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn), layers,
+                                               FP8_REPLAYS)
+                    emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, fp8_us=round(alt_us, 2),
+                         fp8_of_roofline=round(roofline_us / alt_us, 3))
 
     def chain(kind: int):
         def run(i: int):

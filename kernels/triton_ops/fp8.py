@@ -90,34 +90,186 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return out.to(x.dtype)
 
 
-# --- decode batches: the weights streamed once through the tensor cores -------------------------
+# --- decode batches: the weights streamed once -------------------------------------------------
 
 
 class Fp8GemvTiles(NamedTuple):
-    block_n: int  # weight rows (output columns) per program: the tensor cores' M
+    cuda_cores: bool  # one row only: FMAs on the CUDA cores; otherwise the tensor cores (rows padded to 16)
+    block_n: int  # weight rows (output columns) per program
     block_k: int  # input features per step
     num_warps: int
     num_stages: int
     programs_per_sm: int  # K is split until column blocks x splits reach this many per multiprocessor
 
 
-# x's rows padded to the tensor cores' N (the smallest tl.dot takes); more rows take the next power
-# of two, up to FP8_GEMV_QUANTIZED_MAX_ROWS.
+# The tensor cores take x's rows padded to their smallest N (tl.dot's 16); more rows take the next
+# power of two, up to FP8_GEMV_QUANTIZED_MAX_ROWS.
 _FP8_GEMV_MIN_BLOCK_M = 16
 # Rows past kernels.FP8_GEMV_MAX_ROWS (quantized per row, as for torch._scaled_mm) and up to this
-# many go through the same kernel with fp8 x; more go to torch._scaled_mm.
+# many go through the tensor-core kernel with fp8 x; more go to torch._scaled_mm.
 FP8_GEMV_QUANTIZED_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
+_FP8_GEMV_MAX_NORM_BLOCK = 4096  # the one-row kernel's norm reads x in chunks of this many features
 _F16_MAX = tl.constexpr(65504.0)
+# One row decodes its fp8 weights by bit operations (see _decode_fp8) rather than by conversion
+# instructions; kernels_bench --only fp8 --sweep times both.
+FP8_BIT_DECODE = True
+_BIT_DECODE_UNIT = tl.constexpr(2.0**120)
 
-# Tiles by weight shape (rows, in_features): the fastest timed on the H200 at one row
-# (kernels_bench.py --only fp8 --sweep); other shapes take the default. The interpreter gets small
-# tiles so that tiny test shapes cross tile boundaries and split K.
-FP8_GEMV_DEFAULT_TILES = (
-    Fp8GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2) if _INTERPRETED
-    else Fp8GemvTiles(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=3)
+# Tiles by (one row, weight rows, in_features): the fastest timed on the H200 (kernels_bench.py
+# --only fp8 --sweep); other shapes take the defaults. The interpreter gets small tiles so that
+# tiny test shapes cross tile boundaries and split K.
+FP8_GEMV_ONE_ROW_TILES = (
+    Fp8GemvTiles(cuda_cores=True, block_n=4, block_k=32, num_warps=1, num_stages=1, programs_per_sm=2)
+    if _INTERPRETED
+    else Fp8GemvTiles(cuda_cores=True, block_n=8, block_k=2048, num_warps=4, num_stages=1, programs_per_sm=2)
 )
-FP8_GEMV_TILES: dict[tuple[int, int], Fp8GemvTiles] = {}
+FP8_GEMV_ROWS_TILES = (
+    Fp8GemvTiles(cuda_cores=False, block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2)
+    if _INTERPRETED
+    else Fp8GemvTiles(cuda_cores=False, block_n=64, block_k=256, num_warps=4, num_stages=3, programs_per_sm=2)
+)
+FP8_GEMV_TILES: dict[tuple[bool, int, int], Fp8GemvTiles] = {}
+
+
+@triton.jit
+def _decode_fp8(w, BIT_DECODE: tl.constexpr):
+    """fp8 ``w`` as fp32. BIT_DECODE: the sign and the seven exponent and mantissa bits moved to
+    fp32's places, three integer operations: ``w * 2^-120`` exactly (E4M3's subnormals become
+    fp32's), where the conversion instructions (E4M3 to fp16 to fp32) run at a fraction of the
+    FMA rate. The caller multiplies the sums by 2^120."""
+    if BIT_DECODE:
+        bits = w.to(tl.int8, bitcast=True).to(tl.int32)
+        return ((bits << 20) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_finish(
+    acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr, counters_ptr,
+    n_out, out_stride, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Writes ``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales,
+    rounded to the output dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded
+    pair, rounded. SPLIT: the program writes its partial sums and counts its arrival; the column
+    block's last merges the partials (in split order, so the result does not depend on the order
+    of arrival), writes the output and resets the counter for the next launch."""
+    if SPLIT:
+        num_splits = tl.num_programs(1)
+        width = (2 if GATED else 1) * n_out
+        partial = partial_ptr + (split * width + n)[:, None].to(tl.int64) * BLOCK_M + m[None, :]
+        mask = n_ok[:, None] & m_ok[None, :]
+        tl.store(partial, acc, mask=mask)
+        if GATED:
+            tl.store(partial + n_out * BLOCK_M, acc_up, mask=mask)
+        counter = counters_ptr + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc_up)
+            for s in range(0, num_splits):
+                at = partial + (s - split).to(tl.int64) * width * BLOCK_M
+                acc += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(at + n_out * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
+            _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride, GATED)
+            tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
+    else:
+        _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride, GATED)
+
+
+@triton.jit
+def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride,
+                    GATED: tl.constexpr):
+    dtype = out_ptr.dtype.element_ty
+    y = (acc * x_scale[None, :] * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)[:, None]).to(dtype)
+    if GATED:
+        up_scale = tl.load(w_scale_ptr + n_out + n, mask=n_ok, other=0.0)
+        up = (acc_up * x_scale[None, :] * up_scale[:, None]).to(dtype).to(tl.float32)
+        gate = y.to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+    tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemv_row_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr, partial_ptr, counters_ptr,
+    n_out, k_in, k_per_split, eps, w_stride,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BIT_DECODE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (column block, K split) of one row: ``out[cols] = f(x) @ w[cols, ks]^T`` by FMAs in
+    fp32, f the optional residual add and RMSNorm (its 1/rms from a first pass over x, in chunks
+    of NORM_BLOCK), rounded to x's dtype as rms_norm returns it. A step's weight tile is
+    ``[BLOCK_N, BLOCK_K // 16, 16]``: each thread loads 16 consecutive bytes of a row and sums
+    their products in its registers, so the sums kept take a register per 16 weights (a 2-d tile
+    would keep one per weight, and fewer weights in flight). The first tile is loaded before
+    waiting on the previous kernel: it does not depend on it. With a residual, one program per
+    NORM_BLOCK slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    k_tile = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    w_rows = w_ptr + n.to(tl.int64)[:, None, None] * w_stride
+    up_rows = w_rows + n_out.to(tl.int64) * w_stride
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k_in)
+    k = k_lo + k_tile
+    # k < k_in masks each split too (its steps end at its end): k_in divisible by 16 keeps 16-byte loads
+    w_mask = n_ok[:, None, None] & (k < k_in)[None, :, :]
+    w = tl.load(w_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        up = tl.load(up_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    dtype = x_ptr.dtype.element_ty
+    rstd = 1.0
+    if HAS_NORM:
+        kn = tl.arange(0, NORM_BLOCK)
+        sum_sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for k_start in range(0, k_in, NORM_BLOCK):
+            kn_ok = k_start + kn < k_in
+            x = tl.load(x_ptr + k_start + kn, mask=kn_ok, other=0.0)
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_ptr + k_start + kn, mask=kn_ok, other=0.0)
+                x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+                if (split == 0) & ((k_start // NORM_BLOCK) % tl.num_programs(0) == pid_n):
+                    tl.store(residual_out_ptr + k_start + kn, x, mask=kn_ok)
+            xf = x.to(tl.float32)
+            sum_sq += xf * xf
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+    for k_start in range(k_lo, k_hi, BLOCK_K):
+        k = k_start + k_tile
+        k_ok = k < k_in
+        if k_start > k_lo:
+            w_mask = n_ok[:, None, None] & k_ok[None, :, :]
+            w = tl.load(w_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                up = tl.load(up_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(residual_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+        if HAS_NORM:
+            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * rstd * norm_weight).to(dtype)
+        x = x.to(tl.float32)[None, :, :]
+        acc += tl.sum(_decode_fp8(w, BIT_DECODE) * x, 2)
+        if GATED:
+            acc_up += tl.sum(_decode_fp8(up, BIT_DECODE) * x, 2)
+    if USE_PDL:  # the next kernel may launch: only the sums, the merge and the stores remain
+        tl.extra.cuda.gdc_launch_dependents()
+
+    unit = _BIT_DECODE_UNIT if BIT_DECODE else 1.0
+    m = tl.arange(0, 1)
+    _fp8_gemv_finish((tl.sum(acc, 1) * unit)[:, None], (tl.sum(acc_up, 1) * unit)[:, None],
+                     tl.full([1], 1.0, dtype=tl.float32), pid_n, split, n, n_ok, m, m < 1, w_scale_ptr, out_ptr,
+                     partial_ptr, counters_ptr, n_out, 0, GATED, SPLIT, 1)
 
 
 @triton.jit
@@ -131,21 +283,6 @@ def _fp8_gemv_x_tile(x_rows, residual_rows, k, mask, HAS_RESIDUAL: tl.constexpr)
 
 
 @triton.jit
-def _fp8_gemv_epilogue(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride,
-                       GATED: tl.constexpr):
-    """``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the scales, rounded to the output
-    dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded pair, rounded."""
-    dtype = out_ptr.dtype.element_ty
-    y = (acc * x_scale[None, :] * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)[:, None]).to(dtype)
-    if GATED:
-        up_scale = tl.load(w_scale_ptr + n_out + n, mask=n_ok, other=0.0)
-        up = (acc_up * x_scale[None, :] * up_scale[:, None]).to(dtype).to(tl.float32)
-        gate = y.to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-    tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, x_scale_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr,
     partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split, eps, x_stride, residual_stride, w_stride,
@@ -155,14 +292,12 @@ def _fp8_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ f(x[rows, ks])^T`` on the
-    tensor cores, the weight tile as their M (so one row costs no more than 16: the weights are
-    read once for all rows), accumulated in fp32. f: the optional residual add and RMSNorm (its
-    1/rms from a first pass over the whole row), rounded to x's dtype as rms_norm returns it, then
-    to DOT_DTYPE (fp16 holds bf16 exactly within ±65504; beyond it saturates); X_FP8: x already
-    quantized per row, its scales applied with the channels'. With a residual, one program per
-    BLOCK_K slice writes ``x + residual`` to ``residual_out``. SPLIT: each program writes its
-    partial sums and counts its arrival; the column block's last merges them (in split order, so
-    the result does not depend on arrival order) and resets the counter for the next launch."""
+    tensor cores, the weight tile as their M (so the weights are read once for all rows),
+    accumulated in fp32. f: the optional residual add and RMSNorm (its 1/rms from a first pass
+    over the rows), rounded to x's dtype as rms_norm returns it, then to DOT_DTYPE (fp16 holds
+    bf16 exactly within ±65504; beyond it saturates); X_FP8: x already quantized per row, its
+    scales applied with the channels'. With a residual, one program per BLOCK_K slice writes
+    ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,33 +352,14 @@ def _fp8_gemv_kernel(
     x_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if X_FP8:
         x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
-    if SPLIT:
-        num_splits = tl.num_programs(1)
-        width = (2 if GATED else 1) * n_out
-        partial = partial_ptr + (split * width + n)[:, None].to(tl.int64) * BLOCK_M + m[None, :]
-        mask = n_ok[:, None] & m_ok[None, :]
-        tl.store(partial, acc, mask=mask)
-        if GATED:
-            tl.store(partial + n_out * BLOCK_M, acc_up, mask=mask)
-        counter = counters_ptr + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, num_splits):
-                at = partial + (s - split).to(tl.int64) * width * BLOCK_M
-                acc += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(at + n_out * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
-            _fp8_gemv_epilogue(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride,
-                               GATED)
-            tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
-    else:
-        _fp8_gemv_epilogue(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride, GATED)
+    _fp8_gemv_finish(acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr,
+                     counters_ptr, n_out, out_stride, GATED, SPLIT, BLOCK_M)
 
 
-def fp8_gemv_tiles(weight: torch.Tensor) -> Fp8GemvTiles:
-    return FP8_GEMV_TILES.get(tuple(weight.shape), FP8_GEMV_DEFAULT_TILES)
+def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
+    one_row = rows == 1
+    default = FP8_GEMV_ONE_ROW_TILES if one_row else FP8_GEMV_ROWS_TILES
+    return FP8_GEMV_TILES.get((one_row, *weight.shape), default)
 
 
 def fp8_gemv(
@@ -268,9 +384,9 @@ def fp8_gemv(
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
         return out, residual_out
-    x_in, x_scale = quantize_rows(x) if x_fp8 else (x, None)
-    tiles = fp8_gemv_tiles(weight)
-    block_m = max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
+    tiles = fp8_gemv_tiles(weight, rows)
+    _check(not tiles.cuda_cores or rows == 1, f"the CUDA-core fp8 GEMV takes one row, got {rows}")
+    block_m = 1 if tiles.cuda_cores else max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
     n_blocks = triton.cdiv(n_out, tiles.block_n)
     k_steps = triton.cdiv(k_in, tiles.block_k)
     splits = max(1, min(round(tiles.programs_per_sm * _num_sms(x.device) / n_blocks), k_steps, _FP8_GEMV_MAX_SPLITS))
@@ -280,17 +396,27 @@ def fp8_gemv(
     if splits > 1:
         counters = _arrival_counters(x.device, n_blocks, "fp8 linear")
         partial = torch.empty((splits, (2 if gated else 1) * n_out, block_m), dtype=torch.float32, device=x.device)
+    unused = x  # a pointer argument the kernel's flags leave unread
+    residual_in = unused if residual is None else residual
+    norm_in = unused if norm_weight is None else norm_weight
+    flags = dict(HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, SPLIT=splits > 1,
+                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device), num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages)
+    if tiles.cuda_cores:
+        _fp8_gemv_row_kernel[(n_blocks, splits)](
+            x, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
+            n_out, k_in, k_per_split, eps, weight.stride(0), BIT_DECODE=FP8_BIT_DECODE,
+            NORM_BLOCK=min(_FP8_GEMV_MAX_NORM_BLOCK, triton.next_power_of_2(k_in)), **flags,
+        )
+        return out, residual_out
+    x_in, x_scale = quantize_rows(x) if x_fp8 else (x, None)
     if _INTERPRETED or x.dtype == torch.float32:
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.float8e4nv if x_fp8 else tl.float16
-    unused = x  # a pointer argument the kernel's flags leave unread
     _fp8_gemv_kernel[(n_blocks, splits)](
-        x_in, x_scale, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
-        weight, weight_scale, out, residual_out, partial, counters, rows, n_out, k_in, k_per_split, eps,
-        x_in.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, X_FP8=x_fp8,
-        DOT_DTYPE=dot_dtype, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        **_pdl_args(x.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        x_in, x_scale, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
+        rows, n_out, k_in, k_per_split, eps, x_in.stride(0), 0 if residual is None else residual.stride(0),
+        weight.stride(0), out.stride(0), X_FP8=x_fp8, DOT_DTYPE=dot_dtype, BLOCK_M=block_m, **flags,
     )
     return out, residual_out
