@@ -554,8 +554,8 @@ FP8_PREFILL_ROWS = (1024, 8192)
 # fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
 # --sweep at one row, then at FP8_SWEEP_ROWS (the tensor-core kernel)
 FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
-                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (True, 8, 4096, 8, 1, 2),
-                  (True, 16, 1024, 4, 1, 2), (True, 16, 2048, 8, 1, 2), (False, 32, 256, 4, 4, 4),
+                  (True, 4, 4096, 8, 1, 2), (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2),
+                  (True, 8, 2048, 8, 1, 2), (True, 16, 1024, 8, 1, 2), (False, 32, 256, 4, 4, 4),
                   (False, 64, 256, 4, 3, 2)]
 FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
                   (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
@@ -622,7 +622,6 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
             alt_fns = {tuple(alt): with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn) for alt in FP8_GEMV_SWEEP}
-            alt_fns["bits_decoded_by_cvt"] = patched("FP8_BIT_DECODE", False, fp8_fn)
             for tiles, alt_fn in alt_fns.items():
                 alt_us = graph_us_per_call(alt_fn, layers, FP8_REPLAYS)
                 emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),

@@ -111,10 +111,7 @@ FP8_GEMV_QUANTIZED_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
 _FP8_GEMV_MAX_NORM_BLOCK = 4096  # the one-row kernel's norm reads x in chunks of this many features
 _F16_MAX = tl.constexpr(65504.0)
-# One row decodes its fp8 weights by bit operations (see _decode_fp8) rather than by conversion
-# instructions; kernels_bench --only fp8 --sweep times both.
-FP8_BIT_DECODE = True
-_BIT_DECODE_UNIT = tl.constexpr(2.0**120)
+_DECODED_UNIT = tl.constexpr(2.0**120)  # what _decode_fp8_words leaves off
 
 # Tiles by (one row, weight rows, in_features): the fastest timed on the H200 (kernels_bench.py
 # --only fp8 --sweep); other shapes take the defaults. The interpreter gets small tiles so that
@@ -133,15 +130,28 @@ FP8_GEMV_TILES: dict[tuple[bool, int, int], Fp8GemvTiles] = {}
 
 
 @triton.jit
-def _decode_fp8(w, BIT_DECODE: tl.constexpr):
-    """fp8 ``w`` as fp32. BIT_DECODE: the sign and the seven exponent and mantissa bits moved to
-    fp32's places, three integer operations: ``w * 2^-120`` exactly (E4M3's subnormals become
-    fp32's), where the conversion instructions (E4M3 to fp16 to fp32) run at a fraction of the
-    FMA rate. The caller multiplies the sums by 2^120."""
-    if BIT_DECODE:
-        bits = w.to(tl.int8, bitcast=True).to(tl.int32)
-        return ((bits << 20) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
-    return w.to(tl.float32)
+def _decode_fp8_words(words):
+    """The four fp8 (E4M3) values packed in little-endian int32 ``words`` (the lowest byte first),
+    as fp32 times 2^-120 exactly: each value's sign and seven exponent and mantissa bits moved to
+    fp32's places by two or three integer operations (E4M3's subnormals become fp32's). The
+    conversion instructions (E4M3 to fp16 to fp32, each byte extracted first) cost about twice
+    as many; the caller multiplies the sums by 2^120."""
+    bits = 0x07F00000  # the exponent and mantissa bits' places
+    sign = -0x80000000
+    w0 = ((words << 20) & bits) | ((words << 24) & sign)
+    w1 = ((words << 12) & bits) | ((words << 16) & sign)
+    w2 = ((words << 4) & bits) | ((words << 8) & sign)
+    w3 = ((words >> 4) & bits) | (words & sign)
+    return (w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True), w2.to(tl.float32, bitcast=True),
+            w3.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _dot_words(words, x0, x1, x2, x3):
+    """``[rows, segs, 4]`` fp8 words times x's features in the same places (x_j: byte j of each
+    word), summed over each thread's 16 weights: ``[rows, segs]`` in units of 2^-120."""
+    w0, w1, w2, w3 = _decode_fp8_words(words)
+    return tl.sum(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, 2)
 
 
 @triton.jit
@@ -195,33 +205,36 @@ def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr
 def _fp8_gemv_row_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr, partial_ptr, counters_ptr,
     n_out, k_in, k_per_split, eps, w_stride,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BIT_DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (column block, K split) of one row: ``out[cols] = f(x) @ w[cols, ks]^T`` by FMAs in
     fp32, f the optional residual add and RMSNorm (its 1/rms from a first pass over x, in chunks
     of NORM_BLOCK), rounded to x's dtype as rms_norm returns it. A step's weight tile is
-    ``[BLOCK_N, BLOCK_K // 16, 16]``: each thread loads 16 consecutive bytes of a row and sums
-    their products in its registers, so the sums kept take a register per 16 weights (a 2-d tile
-    would keep one per weight, and fewer weights in flight). The first tile is loaded before
+    ``[BLOCK_N, BLOCK_K // 16, 4]`` int32 words: each thread loads 16 consecutive bytes of a row
+    at once, decodes them by bit operations (_decode_fp8_words) and sums their products in its
+    registers, so the sums kept take a register per 16 weights. The first tile is loaded before
     waiting on the previous kernel: it does not depend on it. With a residual, one program per
     NORM_BLOCK slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
-    k_tile = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    w_rows = w_ptr + n.to(tl.int64)[:, None, None] * w_stride
-    up_rows = w_rows + n_out.to(tl.int64) * w_stride
+    segs: tl.constexpr = BLOCK_K // 16
+    word = tl.arange(0, segs)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [segs, 4], in words
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + n.to(tl.int64)[:, None, None] * (w_stride // 4)
+    up_rows = w_rows + n_out.to(tl.int64) * (w_stride // 4)
+    # features [segs, 4, 4]: the bytes of each word
+    feature = word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, k_in)
-    k = k_lo + k_tile
-    # k < k_in masks each split too (its steps end at its end): k_in divisible by 16 keeps 16-byte loads
-    w_mask = n_ok[:, None, None] & (k < k_in)[None, :, :]
-    w = tl.load(w_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    # k < k_in masks each split too (its steps end at its end); compared in words, k_in divisible by 16
+    # keeps 16-byte loads
+    words_in = k_in // 4
+    w_mask = n_ok[:, None, None] & (k_lo // 4 + word < words_in)[None, :, :]
+    w = tl.load(w_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
     if GATED:
-        up = tl.load(up_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        up = tl.load(up_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -242,32 +255,35 @@ def _fp8_gemv_row_kernel(
             sum_sq += xf * xf
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
 
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
     for k_start in range(k_lo, k_hi, BLOCK_K):
-        k = k_start + k_tile
-        k_ok = k < k_in
         if k_start > k_lo:
-            w_mask = n_ok[:, None, None] & k_ok[None, :, :]
-            w = tl.load(w_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            w_mask = n_ok[:, None, None] & (k_start // 4 + word < words_in)[None, :, :]
+            w = tl.load(w_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
             if GATED:
-                up = tl.load(up_rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+                up = tl.load(up_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0,
+                             eviction_policy="evict_first")
+        k = k_start + feature
+        k_ok = k < k_in
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             x = (x.to(tl.float32) + tl.load(residual_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
         if HAS_NORM:
             norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * rstd * norm_weight).to(dtype)
-        x = x.to(tl.float32)[None, :, :]
-        acc += tl.sum(_decode_fp8(w, BIT_DECODE) * x, 2)
+        x_even, x_odd = tl.split(x.to(tl.float32).reshape(segs, 4, 2, 2))  # byte j = 2 * j1 + j0: j0 split first
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
+        acc += _dot_words(w, x0, x1, x2, x3)
         if GATED:
-            acc_up += tl.sum(_decode_fp8(up, BIT_DECODE) * x, 2)
+            acc_up += _dot_words(up, x0, x1, x2, x3)
     if USE_PDL:  # the next kernel may launch: only the sums, the merge and the stores remain
         tl.extra.cuda.gdc_launch_dependents()
 
-    unit = _BIT_DECODE_UNIT if BIT_DECODE else 1.0
     m = tl.arange(0, 1)
-    _fp8_gemv_finish((tl.sum(acc, 1) * unit)[:, None], (tl.sum(acc_up, 1) * unit)[:, None],
+    _fp8_gemv_finish((tl.sum(acc, 1) * _DECODED_UNIT)[:, None], (tl.sum(acc_up, 1) * _DECODED_UNIT)[:, None],
                      tl.full([1], 1.0, dtype=tl.float32), pid_n, split, n, n_ok, m, m < 1, w_scale_ptr, out_ptr,
                      partial_ptr, counters_ptr, n_out, 0, GATED, SPLIT, 1)
 
@@ -357,7 +373,9 @@ def _fp8_gemv_kernel(
 
 
 def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
-    one_row = rows == 1
+    """The tiles of ``fp8_gemv`` for ``rows`` of x; one row reads whole int32 words of the
+    weights: rows not of whole words take the tensor-core kernel."""
+    one_row = rows == 1 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
     default = FP8_GEMV_ONE_ROW_TILES if one_row else FP8_GEMV_ROWS_TILES
     return FP8_GEMV_TILES.get((one_row, *weight.shape), default)
 
@@ -405,7 +423,7 @@ def fp8_gemv(
     if tiles.cuda_cores:
         _fp8_gemv_row_kernel[(n_blocks, splits)](
             x, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
-            n_out, k_in, k_per_split, eps, weight.stride(0), BIT_DECODE=FP8_BIT_DECODE,
+            n_out, k_in, k_per_split, eps, weight.stride(0),
             NORM_BLOCK=min(_FP8_GEMV_MAX_NORM_BLOCK, triton.next_power_of_2(k_in)), **flags,
         )
         return out, residual_out
