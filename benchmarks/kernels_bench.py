@@ -551,14 +551,12 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
-# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor-core kernel)
-FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
-                  (True, 4, 4096, 8, 1, 2), (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2),
-                  (True, 8, 2048, 8, 1, 2), (True, 16, 1024, 8, 1, 2), (False, 32, 256, 4, 4, 4),
-                  (False, 64, 256, 4, 3, 2)]
-FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
-                  (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
+# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep at one
+# row, then at FP8_SWEEP_ROWS
+FP8_GEMV_SWEEP = [(32, 256, 4, 4, 4), (32, 256, 4, 3, 4), (32, 512, 4, 3, 4), (64, 256, 4, 3, 2),
+                  (64, 256, 4, 4, 1), (16, 512, 4, 4, 4)]
+FP8_ROWS_SWEEP = [(64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (32, 256, 4, 4, 4), (128, 128, 4, 4, 2),
+                  (64, 256, 4, 4, 1), (128, 256, 8, 3, 1)]
 FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
@@ -578,10 +576,11 @@ def bench_fp8(bandwidth: float, sweep: bool) -> None:
     _fp8_prefill(bf16[0], fp8[0])
 
 
-def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, fn: Callable[..., object]) -> Callable[..., object]:
-    """``fn`` run with fp8_gemv on ``tiles`` for every shape (at one row, or at more rows)."""
-    default = "FP8_GEMV_ONE_ROW_TILES" if tiles.cuda_cores else "FP8_GEMV_ROWS_TILES"
-    return patched("FP8_GEMV_TILES", {}, patched(default, tiles, fn))
+def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, rows: int, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` run with fp8_gemv on ``tiles`` for every shape at ``rows``."""
+    most_rows = next(r for r in fp8_ops.FP8_GEMV_DEFAULT_TILES if rows <= r)
+    defaults = {**fp8_ops.FP8_GEMV_DEFAULT_TILES, most_rows: tiles}
+    return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", defaults, fn))
 
 
 def _fp8_projection_cases(bf16, fp8, rows: int, norm: bool = True) -> dict:
@@ -621,9 +620,9 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
              fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
-            alt_fns = {tuple(alt): with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn) for alt in FP8_GEMV_SWEEP}
-            for tiles, alt_fn in alt_fns.items():
-                alt_us = graph_us_per_call(alt_fn, layers, FP8_REPLAYS)
+            for tiles in FP8_GEMV_SWEEP:
+                alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*tiles), 1, fp8_fn), layers,
+                                           FP8_REPLAYS)
                 emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
     if sweep:
@@ -631,7 +630,7 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
             for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows, norm=False).items():
                 roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
                 for alt in FP8_ROWS_SWEEP:
-                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn), layers,
+                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), rows, fp8_fn), layers,
                                                FP8_REPLAYS)
                     emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, fp8_us=round(alt_us, 2),
                          fp8_of_roofline=round(roofline_us / alt_us, 3))
