@@ -551,12 +551,13 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int) -> None:
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep at one
-# row, then at FP8_SWEEP_ROWS
-FP8_GEMV_SWEEP = [(32, 256, 4, 4, 4), (32, 256, 4, 3, 4), (32, 512, 4, 3, 4), (64, 256, 4, 3, 2),
-                  (64, 256, 4, 4, 1), (16, 512, 4, 4, 4)]
-FP8_ROWS_SWEEP = [(64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (32, 256, 4, 4, 4), (128, 128, 4, 4, 2),
-                  (64, 256, 4, 4, 1), (128, 256, 8, 3, 1)]
+# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
+# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor cores)
+FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
+                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 64, 256, 4, 3, 2)]
+FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
 FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary

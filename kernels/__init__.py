@@ -25,9 +25,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 BACKENDS = ("torch", "triton")
-# fp8 ``linear`` of at most this many rows leaves the activations unquantized: the tensor cores
-# multiply them (in fp16) by the weights upcast on the way, read once for all rows (the smallest
-# tile holds 16 rows). More rows are quantized per row, to be multiplied in fp8.
+# fp8 ``linear`` of at most this many rows leaves the activations unquantized: they multiply the
+# weights upcast on the way (one row by FMAs; more in fp16 on the tensor cores, whose smallest tile
+# holds 16 rows, so the weights are read once for all). More rows are quantized per row.
 FP8_GEMV_MAX_ROWS = 16
 
 

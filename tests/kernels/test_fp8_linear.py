@@ -74,6 +74,14 @@ def test_decode_rows_leave_the_activations_unquantized(ops):
                  atol=ULP[torch.float32])
 
 
+def test_fp8_one_row_of_a_weight_not_of_whole_words(ops):
+    # the CUDA-core kernel reads int32 words: 70 features take the tensor-core kernel
+    x, _, _, _, weight, scale = fp8_inputs(1, 40, 70, torch.float32)
+    assert fp8.fp8_gemv_tiles(weight, 1) == fp8.FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS]
+    assert_close(ops.linear(x, weight, scale), reference.linear(x, weight, scale), rtol=2 * ULP[torch.float32],
+                 atol=ULP[torch.float32])
+
+
 def test_fp8_reference_is_close_to_the_unquantized_product():
     x, _, _, weight, weight_fp8, scale = fp8_inputs(16, 64, 512, torch.float32)
     exact = reference.linear(x, weight)
