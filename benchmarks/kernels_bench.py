@@ -576,8 +576,14 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int, context: int, 
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-FP8_GEMV_SWEEP = [(4, 1024, 4, 3), (4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 512, 4, 3),
-                  (16, 1024, 8, 3)]
+# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
+# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor cores)
+FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
+                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 64, 256, 4, 3, 2)]
+FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
+                  (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
+FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
@@ -596,12 +602,25 @@ def bench_fp8(bandwidth: float, sweep: bool) -> None:
     _fp8_prefill(bf16[0], fp8[0])
 
 
-def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
-    """name -> (bf16 call, fp8 call, fp8 weight bytes); each call takes the layer index."""
+def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, rows: int, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` run with fp8_gemv on ``tiles`` for every shape at ``rows``."""
+    most_rows = next(r for r in fp8_ops.FP8_GEMV_DEFAULT_TILES if rows <= r)
+    defaults = {**fp8_ops.FP8_GEMV_DEFAULT_TILES, most_rows: tiles}
+    return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", defaults, fn))
+
+
+def _fp8_projection_cases(bf16, fp8, rows: int, norm: bool = True) -> dict:
+    """name -> (bf16 call, fp8 call); each call takes the layer index. Without ``norm`` every
+    projection is a plain linear (past FP8_GEMV_MAX_ROWS fp8 rows are normed apart anyway)."""
     x, residual = (torch.randn(rows, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(2))
     attn = torch.randn(rows, bf16[0].q_width, dtype=DTYPE, device="cuda")
     act = torch.randn(rows, INTERMEDIATE, dtype=DTYPE, device="cuda")
     eps = GEMV_EPS
+    if not norm:
+        widths = {"qkv": HIDDEN, "o": bf16[0].q_width, "gate_up": HIDDEN, "down": INTERMEDIATE}
+        inputs = {n: torch.randn(rows, k, dtype=DTYPE, device="cuda") for n, k in widths.items()}
+        return {n: (lambda i, n=n: triton_ops.linear(inputs[n], getattr(bf16[i], n)),
+                    lambda i, n=n: triton_ops.linear(inputs[n], *fp8[i][n])) for n in widths}
     return {
         "qkv": (lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, bf16[i].qkv)[0],
                 lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, fp8[i]["qkv"][0], False,
@@ -621,20 +640,26 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
         roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
         bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
         fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
-        fields = {}
-        if name in ("qkv", "gate_up"):
-            fields["fp8_two_pass_norm_us"] = round(
-                graph_us_per_call(patched("FP8_NORM_IN_EPILOGUE", False, fp8_fn), layers, FP8_REPLAYS), 2)
-        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1, tiles=list(gemv.GEMV_TILES),
-             bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
-             fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3), **fields,
+        emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1,
+             tiles=list(fp8_ops.fp8_gemv_tiles(fp8[0][name][0], 1)), bf16_us=round(bf16_us, 2),
+             fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
+             fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
-            for alt in FP8_GEMV_SWEEP:
-                tiles = gemv.GemvTiles(*alt)
-                alt_us = graph_us_per_call(patched("GEMV_TILES", tiles, fp8_fn), layers, FP8_REPLAYS)
-                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=list(tiles), fp8_us=round(alt_us, 2),
+            for tiles in FP8_GEMV_SWEEP:
+                alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*tiles), 1, fp8_fn), layers,
+                                           FP8_REPLAYS)
+                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
+    if sweep:
+        for rows in FP8_SWEEP_ROWS:
+            for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows, norm=False).items():
+                roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
+                for alt in FP8_ROWS_SWEEP:
+                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), rows, fp8_fn), layers,
+                                               FP8_REPLAYS)
+                    emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, fp8_us=round(alt_us, 2),
+                         fp8_of_roofline=round(roofline_us / alt_us, 3))
 
     def chain(kind: int):
         def run(i: int):
@@ -675,8 +700,8 @@ def _fp8_batches(bf16, fp8) -> None:
             "fp8_scaled_mm": lambda x, w, wf, s: fp8_ops.scaled_linear(x, wf, s),
             "quantize_only": lambda x, w, wf, s: fp8_ops.quantize_rows(x),
         }
-        if rows <= 4:
-            paths["fp8_gemv"] = lambda x, w, wf, s: gemv._launch_gemv(x, wf, s, wf.shape[0])
+        if rows <= fp8_ops.FP8_GEMV_QUANTIZED_MAX_ROWS:
+            paths["fp8_gemv"] = lambda x, w, wf, s: fp8_ops.fp8_gemv(x, wf, s, wf.shape[0])
         us = {k: round(graph_us_per_call(layer(p), layers, FP8_REPLAYS), 2) for k, p in paths.items()}
         emit(bench="fp8_layer_linears", shape="llama3-8b", rows=rows, **{f"{k}_us": v for k, v in us.items()},
              fp8_default_speedup=round(us["bf16"] / us["fp8_default"], 3))
@@ -692,10 +717,14 @@ def _fp8_prefill(bf16: LayerWeights, fp8: dict) -> None:
             flops = 2 * rows * w.numel()
             bf16_us = time_us(lambda: torch.nn.functional.linear(x, w))
             fp8_us = time_us(lambda: triton_ops.linear(x, wf, s))
-            mm_us = time_us(lambda: torch._scaled_mm(x_fp8, wf.t(), scale_a=x_scale, scale_b=s.view(1, -1),
-                                                     out_dtype=torch.bfloat16))
+            mm_us, fast_us = (
+                time_us(lambda fast=fast: torch._scaled_mm(x_fp8, wf.t(), scale_a=x_scale, scale_b=s.view(1, -1),
+                                                           out_dtype=torch.bfloat16, use_fast_accum=fast))
+                for fast in (False, True))
+            quantize_us = time_us(lambda: fp8_ops.quantize_rows(x))
             emit(bench="fp8_prefill_linear", rows=rows, proj=name, bf16_us=round(bf16_us, 1), fp8_us=round(fp8_us, 1),
-                 scaled_mm_only_us=round(mm_us, 1), bf16_tflop_s=round(flops / bf16_us / 1e6, 1),
+                 scaled_mm_only_us=round(mm_us, 1), scaled_mm_fast_accum_us=round(fast_us, 1),
+                 quantize_only_us=round(quantize_us, 1), bf16_tflop_s=round(flops / bf16_us / 1e6, 1),
                  fp8_tflop_s=round(flops / fp8_us / 1e6, 1), scaled_mm_tflop_s=round(flops / mm_us / 1e6, 1),
                  speedup=round(bf16_us / fp8_us, 3))
 

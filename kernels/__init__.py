@@ -25,10 +25,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 BACKENDS = ("torch", "triton")
-# fp8 ``linear`` of at most this many rows leaves the activations unquantized: the GEMV multiplies
-# them by the weights upcast in registers. More rows are quantized for torch._scaled_mm, which
-# reads the weights once for all rows (a GEMV reads them once per row).
-FP8_GEMV_MAX_ROWS = 1
+# fp8 ``linear`` of at most this many rows leaves the activations unquantized: they multiply the
+# weights upcast on the way (one row by FMAs; more in fp16 on the tensor cores, whose smallest tile
+# holds 16 rows, so the weights are read once for all). More rows are quantized per row.
+FP8_GEMV_MAX_ROWS = 16
 
 
 class QKNorm(NamedTuple):

@@ -19,7 +19,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
 )
 from kernels.triton_ops._launch import _pdl_args
-from kernels.triton_ops.fp8 import scaled_linear
+from kernels.triton_ops.fp8 import FP8_GEMV_QUANTIZED_MAX_ROWS, fp8_gemv, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
 # One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
@@ -44,10 +44,6 @@ GEMV_TILES = (
     GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=1) if _INTERPRETED
     else GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
 )
-# fp8 weights take the same tiles: on the H200 the fastest of those timed for Llama 3 8B's
-# projections at one row (kernels_bench.py --only fp8 --sweep), and with one pass over x, the
-# norm's 1/rms applied to the sums (see _gemv_kernel).
-FP8_NORM_IN_EPILOGUE = True
 
 
 @triton.jit
@@ -68,9 +64,9 @@ def _gemv_x_tile(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, out_ptr, residual_out_ptr,
     n_out, k_in, eps, x_stride, residual_stride, w_stride, out_stride,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, NORM_IN_EPILOGUE: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (column block, row): ``out[row, cols] = f(x[row]) @ w[cols]^T`` in fp32, f the
@@ -78,10 +74,7 @@ def _gemv_kernel(
     ``n_out + cols`` and writes ``silu(gate) * up``. With a residual, the row's program whose
     turn it is writes each ``BLOCK_K`` slice of ``x + residual`` to ``residual_out``. The first
     weight tiles are loaded before waiting on the previous kernel: they do not depend on it.
-    The rows of a batch stream the same weights at once: the second row on finds them in L2.
-    With ``w_scale_ptr`` (fp8 weights) each weight is upcast in registers and the sums are
-    multiplied by their row's scale (the activations stay unquantized). NORM_IN_EPILOGUE reads x
-    once: the norm's 1/rms multiplies the sums instead of the (then unrounded) normed inputs."""
+    The rows of a batch stream the same weights at once: the second row on finds them in L2."""
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,10 +90,9 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
     x_row = x_ptr + row * x_stride
     residual_row = residual_ptr + row * residual_stride
-    two_pass_norm: tl.constexpr = HAS_NORM and not NORM_IN_EPILOGUE
 
     rstd = 0.0
-    if two_pass_norm:
+    if HAS_NORM:
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k_start in range(0, k_in, BLOCK_K):
             k = k_start + kk
@@ -113,7 +105,6 @@ def _gemv_kernel(
             sum_sq += xf * xf
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
 
-    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, k_in, BLOCK_K):
@@ -124,15 +115,8 @@ def _gemv_kernel(
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             if GATED:
                 up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, two_pass_norm, HAS_RESIDUAL)
-        x = x.to(tl.float32)
-        if HAS_NORM and NORM_IN_EPILOGUE:
-            if HAS_RESIDUAL:
-                if (k_start // BLOCK_K) % tl.num_programs(0) == pid:
-                    tl.store(residual_out_ptr + row * k_in + k, x.to(residual_out_ptr.dtype.element_ty), mask=k_ok)
-            sum_sq += x * x
-            x = x * tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        x = x[None, :]
+        x = _gemv_x_tile(x_row, residual_row, norm_weight_ptr, k, k_ok, rstd, HAS_NORM, HAS_RESIDUAL)
+        x = x.to(tl.float32)[None, :]
         acc += w.to(tl.float32) * x
         if GATED:
             acc_up += up.to(tl.float32) * x
@@ -140,21 +124,10 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     # Rounded to the activation dtype, as the product's output, before SiLU-and-mul.
-    y = tl.sum(acc, 1)
-    if HAS_NORM and NORM_IN_EPILOGUE:
-        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
-        y = y * rstd
-    if w_scale_ptr is not None:
-        y = y * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)
-    y = y.to(out_ptr.dtype.element_ty)
+    y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
     if GATED:
         gate = y.to(tl.float32)
-        up_out = tl.sum(acc_up, 1)
-        if HAS_NORM and NORM_IN_EPILOGUE:
-            up_out = up_out * rstd
-        if w_scale_ptr is not None:
-            up_out = up_out * tl.load(w_scale_ptr + n_out + n, mask=n_ok, other=0.0)
-        up_out = up_out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up_out = tl.sum(acc_up, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate)) * up_out).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + n, y, mask=n_ok)
 
@@ -164,7 +137,7 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows = x.shape[0]
     if weight.dtype == torch.float8_e4m3fn:
-        return 0 < rows <= FP8_GEMV_MAX_ROWS
+        return 0 < rows <= FP8_GEMV_QUANTIZED_MAX_ROWS
     return x.dtype == weight.dtype and (rows == 1 or (
         0 < rows <= GEMV_MAX_ROWS and weight.numel() * weight.element_size() <= _GEMV_L2_RESIDENT_BYTES
     ))
@@ -187,28 +160,26 @@ def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, n_out: int, *,
-    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, n_out: int, *, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
-    _check_devices(x=x, weight=weight, **({} if weight_scale is None else {"weight_scale": weight_scale}))
+    _check_devices(x=x, weight=weight)
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     residual_out = x
     if residual is not None:
         _check_last_dim_contiguous("residual", residual)
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     unused = x  # a pointer argument the kernel's flags leave unread
-    fp8 = weight_scale is not None
     tiles = GEMV_TILES
     grid = (triton.cdiv(n_out, tiles.block_n), rows)
     _gemv_kernel[grid](
         x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
-        weight, weight_scale, out, residual_out, n_out, k_in, eps,
+        weight, out, residual_out, n_out, k_in, eps,
         x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0), out.stride(0),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
-        NORM_IN_EPILOGUE=fp8 and FP8_NORM_IN_EPILOGUE, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         **_pdl_args(x.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, residual_out
@@ -221,20 +192,23 @@ def _batch_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2; fp8 weights:
-    up to FP8_GEMV_MAX_ROWS) by the GEMV kernel, others by cuBLAS (fp8 weights: ``scaled_linear``,
-    torch._scaled_mm)."""
+    """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2) by the GEMV
+    kernel, others by cuBLAS. fp8 weights: up to FP8_GEMV_QUANTIZED_MAX_ROWS rows by ``fp8_gemv``,
+    more by ``scaled_linear`` (torch._scaled_mm)."""
     _check_gemv_weight(x, weight, weight_scale)
     if not _use_gemv(x, weight):
         return _batch_linear(x, weight, weight_scale)
-    return _launch_gemv(x, weight, weight_scale, weight.shape[0])[0]
+    if weight_scale is not None:
+        return fp8_gemv(x, weight, weight_scale, weight.shape[0])[0]
+    return _launch_gemv(x, weight, weight.shape[0])[0]
 
 
 def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode batches take one GEMV launch for all of it."""
+    """Decode batches take one GEMV launch for all of it (fp8 weights past FP8_GEMV_MAX_ROWS rows:
+    rms_norm, then ``fp8_gemv`` with SiLU-and-mul fused in)."""
     _check_gemv_weight(x, weight, weight_scale)
     _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
@@ -243,5 +217,9 @@ def norm_linear(
         return (silu_and_mul(out) if gated else out), residual
     _check_norm_inputs(x, norm_weight, residual, "norm_weight")
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    return _launch_gemv(x, weight, weight_scale, n_out, residual=residual, norm_weight=norm_weight, eps=eps,
-                        gated=gated)
+    if weight_scale is None:
+        return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
+    if x.shape[0] > FP8_GEMV_MAX_ROWS:
+        normed, residual = rms_norm(x, norm_weight, eps, residual)
+        return fp8_gemv(normed, weight, weight_scale, n_out, gated=gated)[0], residual
+    return fp8_gemv(x, weight, weight_scale, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)

@@ -1,6 +1,7 @@
-"""linear and norm_linear with fp8 weights (per-channel scales): the Triton ops (one row by the
-GEMV, activations unquantized; more rows quantized, then torch._scaled_mm) against the
-reference, and the reference against the unquantized product."""
+"""linear and norm_linear with fp8 weights (per-channel scales): the Triton ops (up to
+FP8_GEMV_MAX_ROWS rows by fp8_gemv, activations unquantized; up to FP8_GEMV_QUANTIZED_MAX_ROWS
+quantized, by fp8_gemv; more quantized, then torch._scaled_mm) against the reference, and the
+reference against the unquantized product."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from kernel_cases import GPU_ATTENTION_TOL, ULP, assert_close, gpu
 from test_gemv import GEMV_SHAPES, gemv_inputs
 
 from engine.models.fp8 import quantize_weight
-from kernels import reference, triton_ops
+from kernels import FP8_GEMV_MAX_ROWS, reference, triton_ops
 from kernels.triton_ops import fp8
 
-# one row (the GEMV), batches (torch._scaled_mm)
-FP8_ROWS = [1, 3, 20]
+# fp8_gemv: one row, a few, the most left unquantized, quantized rows; then torch._scaled_mm
+FP8_ROWS = [1, 3, FP8_GEMV_MAX_ROWS, 20, fp8.FP8_GEMV_QUANTIZED_MAX_ROWS + 1]
 
 
 def fp8_inputs(rows, n_out, k_in, dtype, gated=False, device="cpu"):
@@ -63,13 +64,22 @@ def test_fp8_norm_linear(ops, dtype, rows, gated, with_residual):
     assert_close(out, expected, rtol=(8 if gated else 4) * ULP[dtype], atol=atol)
 
 
-def test_one_row_leaves_the_activations_unquantized(ops):
-    x, _, _, _, weight, scale = fp8_inputs(2, 40, 72, torch.float32)
-    one_row = reference.linear(x[:1], weight, scale)
+def test_decode_rows_leave_the_activations_unquantized(ops):
+    x, _, _, _, weight, scale = fp8_inputs(FP8_GEMV_MAX_ROWS + 1, 40, 72, torch.float32)
+    few_rows = reference.linear(x[:FP8_GEMV_MAX_ROWS], weight, scale)
     # row 0 holds 40.0 and -1e-4: quantized over its scale, -1e-4 would underflow to 0
-    assert torch.equal(one_row, torch.nn.functional.linear(x[:1], weight.float()) * scale)
-    assert not torch.equal(one_row, reference.linear(x, weight, scale)[:1])
-    assert_close(ops.linear(x[:1], weight, scale), one_row, rtol=2 * ULP[torch.float32], atol=ULP[torch.float32])
+    assert torch.equal(few_rows, torch.nn.functional.linear(x[:FP8_GEMV_MAX_ROWS], weight.float()) * scale)
+    assert not torch.equal(few_rows[:1], reference.linear(x, weight, scale)[:1])
+    assert_close(ops.linear(x[:FP8_GEMV_MAX_ROWS], weight, scale), few_rows, rtol=2 * ULP[torch.float32],
+                 atol=ULP[torch.float32])
+
+
+def test_fp8_one_row_of_a_weight_not_of_whole_words(ops):
+    # the CUDA-core kernel reads int32 words: 70 features take the tensor-core kernel
+    x, _, _, _, weight, scale = fp8_inputs(1, 40, 70, torch.float32)
+    assert fp8.fp8_gemv_tiles(weight, 1) == fp8.FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS]
+    assert_close(ops.linear(x, weight, scale), reference.linear(x, weight, scale), rtol=2 * ULP[torch.float32],
+                 atol=ULP[torch.float32])
 
 
 def test_fp8_reference_is_close_to_the_unquantized_product():
@@ -90,7 +100,7 @@ def test_fp8_linear_rejects_a_wrong_scale(ops):
 
 
 @gpu
-@pytest.mark.parametrize("rows", [1, 4, 64, 1000])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 1000])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_gpu_fp8_norm_linear_llama3_8b_shapes(rows, gated):
     n_out = 14336 if gated else 4096
@@ -103,12 +113,29 @@ def test_gpu_fp8_norm_linear_llama3_8b_shapes(rows, gated):
 
 
 @gpu
-@pytest.mark.parametrize("rows", [1, 3, 64, 1000])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 1000])
 def test_gpu_fp8_linear(rows):
     x, _, _, _, weight, scale = fp8_inputs(rows, 4096, 14336, torch.bfloat16, device="cuda")
     # The row quantizer's scale division and the reference's may differ by one unit, moving a value
     # on an fp8 rounding boundary to its neighbour: on the H200 8 of 4M outputs (1000 rows).
     assert_rare_fp8_flips(triton_ops.linear(x, weight, scale), reference.linear(x, weight, scale))
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 40])
+def test_gpu_fp8_gemv_replays_in_a_cuda_graph(rows):
+    # split K (its arrival counters reset by each launch) and the residual write, replayed
+    x, residual, norm_weight, _, weight, scale = fp8_inputs(rows, 6144, 4096, torch.bfloat16, device="cuda")
+    if rows > FP8_GEMV_MAX_ROWS:
+        residual = None
+    eager = triton_ops.norm_linear(x, norm_weight, 1e-5, residual, weight, False, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_ops.norm_linear(x, norm_weight, 1e-5, residual, weight, False, scale)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
 def assert_rare_fp8_flips(out: torch.Tensor, expected: torch.Tensor) -> None:
