@@ -223,20 +223,21 @@ def _fused_decode_kernel(
             HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, "end", DOT_DTYPE, DOT_PRECISION,
         )
     if holds_new:
+        # New names: a runtime branch may not change a variable's type (fp8 caches store a new dtype).
         if k_scale_ptr is not None:
-            k_new = _to_cache(k_new, tl.load(k_scale_ptr + kv_head), k_cache_ptr)
-            v_new = _to_cache(v_new, tl.load(v_scale_ptr + kv_head), v_cache_ptr)
+            k_cached = _to_cache(k_new, tl.load(k_scale_ptr + kv_head), k_cache_ptr)
+            v_cached = _to_cache(v_new, tl.load(v_scale_ptr + kv_head), v_cache_ptr)
         else:
-            k_new = _to_cache(k_new, None, k_cache_ptr)
-            v_new = _to_cache(v_new, None, v_cache_ptr)
+            k_cached = _to_cache(k_new, None, k_cache_ptr)
+            v_cached = _to_cache(v_new, None, v_cache_ptr)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s
             dst += kv_head * cache_stride_h + d
-            tl.store(k_cache_ptr + dst, k_new, mask=d_ok)
-            tl.store(v_cache_ptr + dst, v_new, mask=d_ok)
+            tl.store(k_cache_ptr + dst, k_cached, mask=d_ok)
+            tl.store(v_cache_ptr + dst, v_cached, mask=d_ok)
         if seq_len > 0:
-            acc, m_i, l_i = _attend_new_key(q, k_new, v_new, acc, m_i, l_i, scale_log2)
+            acc, m_i, l_i = _attend_new_key(q, k_cached, v_cached, acc, m_i, l_i, scale_log2)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
