@@ -20,8 +20,8 @@ _WARMUP_DECODES = 4
 def warmup(core: EngineCore) -> None:
     """Capture the decode CUDA graphs, then run through the whole engine a prefill of each
     power-of-two length up to a full chunk (one short prefill on the CPU, which compiles nothing),
-    and decode steps that admit a prefill (mixed batches) at a short and a long context with a
-    sampled request (penalties, top-k/p, logprobs) and, when the model has a vocabulary, a
+    and decode steps that admit a prefill (mixed batches) at a short and (on CUDA, for split-K) a
+    long context with a sampled request (penalties, top-k/p, logprobs) and, when the model has a vocabulary, a
     constrained one, so that every kernel variant is compiled and loaded. Leaves the core idle with
     fresh counters."""
     start = time.perf_counter()
@@ -38,7 +38,8 @@ def warmup(core: EngineCore) -> None:
     for length in [2**k for k in range(4, chunk.bit_length()) if cuda and 2**k < chunk] + [chunk]:
         _warmup_run(core, prompts, [length])
     _warmup_run(core, prompts, [min(8, limit), min(8, limit)])  # one block: a single split
-    _warmup_run(core, prompts, [min(300, limit), min(200, limit)])  # split-K decode
+    if cuda:  # split-K decode (the CPU's attention has no split variant to compile)
+        _warmup_run(core, prompts, [min(300, limit), min(200, limit)])
     if core.grammars is not None:  # the mask's thread pool and its kernel, off the first constrained request
         _warmup_run(core, prompts, [min(8, limit), min(8, limit)], StructuredOutput("json_object"))
     core.counters = EngineCounters()

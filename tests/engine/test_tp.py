@@ -204,7 +204,7 @@ def test_tp2_engine_greedy_identical_tiny_gemma3(tmp_path, async_scheduling):
 def test_tp2_engine_greedy_identical_smollm2(gguf_path):
     """SmolLM2-135M (9 heads, 3 KV heads: rank 0 holds 6 and 2, rank 1 holds 3 and 1), fp32."""
     settings = dict(model=str(gguf_path), num_kv_blocks=256, max_num_batched_tokens=64)
-    max_diff = _compare_tp(settings, _prompts())
+    max_diff = _compare_tp(settings, _prompts()[:10])  # the real model's steps are the slow part: half the set
     print(f"SmolLM2: max |logprob TP2 - TP1| = {max_diff:.3g}")
     assert max_diff < 1e-3
 
