@@ -1,31 +1,23 @@
-"""The real SmolLM2-135M-Instruct behind the gateway, started the way `make run` does it: the gateway
-spawns its engine with the default model. The answer must make sense; shutdown must stop the engine."""
+"""The real SmolLM2-135M-Instruct behind the gateway, which spawned its engine with the default model as
+`make run` does (the suite's shared SmolLM2 gateway): the answer must make sense. Shutdown must stop the
+spawned engine."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import openai
 import pytest
-from gw_harness import Proc, start_gateway
+from gw_harness import start_gateway
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-real-model"
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def smollm2_gateway(tmp_path_factory) -> Iterator[Proc]:
-    gw = start_gateway(tmp_path_factory.mktemp("smollm2") / "gateway.log", "--spawn-engines", "1", "--api-key", KEY)
-    yield gw
-    gw.stop()
-
-
 def test_chat_gives_a_sensible_answer(smollm2_gateway):
-    client = openai.OpenAI(base_url=smollm2_gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24,
                                           temperature=0)
@@ -35,7 +27,7 @@ def test_chat_gives_a_sensible_answer(smollm2_gateway):
 
 
 async def test_streamed_answer_matches(smollm2_gateway):
-    client = openai.AsyncOpenAI(base_url=smollm2_gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     full = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24,
                                                 temperature=0)
     text = ""
@@ -46,9 +38,10 @@ async def test_streamed_answer_matches(smollm2_gateway):
     await client.close()
 
 
-def test_shutdown_stops_the_spawned_engine(smollm2_gateway):
-    (spawned,) = [x for x in smollm2_gateway.log_lines() if x.get("event") == "engine_spawned"]
-    smollm2_gateway.stop()
-    assert smollm2_gateway.proc.returncode == 0
+def test_shutdown_stops_the_spawned_engine(tmp_path):
+    gw = start_gateway(tmp_path / "gateway.log", "--spawn-engines", "1", "--model", "tiny", "--load-format", "dummy")
+    (spawned,) = [x for x in gw.log_lines() if x.get("event") == "engine_spawned"]
+    gw.stop()
+    assert gw.proc.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(spawned["pid"], 0)
