@@ -123,10 +123,14 @@ def run(core: EngineCore, args: argparse.Namespace, thinking: bool) -> list[dict
     return records
 
 
+def reused_tokens(records: list[dict]) -> tuple[int, int]:
+    """(tokens a turn could reuse, of those the engine served from its cache), summed over turns."""
+    return sum(r["reusable"] for r in records), sum(min(r["cached"], r["reusable"]) for r in records)
+
+
 def summarize(records: list[dict], block_size: int, thinking: bool, entries: bool, seconds: float) -> dict:
     follow_ups = [r for r in records if r["turn"] > 0]
-    reusable = sum(r["reusable"] for r in records)
-    hit = sum(min(r["cached"], r["reusable"]) for r in records)
+    reusable, hit = reused_tokens(records)
     recomputed = [r["reusable"] - min(r["cached"], r["reusable"]) for r in records]
     return {
         "bench": "agent_turns",
@@ -208,8 +212,7 @@ def think_time_run(core: EngineCore, args: argparse.Namespace) -> list[dict]:
 
 def summarize_think_time(records: list[dict], core: EngineCore, host_gib: float, seconds: float) -> dict:
     later = sorted(r["ttft"] for r in records if r["turn"] > 0)
-    reusable = sum(r["reusable"] for r in records)
-    hit = sum(min(r["cached"], r["reusable"]) for r in records)
+    reusable, hit = reused_tokens(records)
     stats = core.stats()
     return {
         "bench": "agent_turns_think_time",

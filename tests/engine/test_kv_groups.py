@@ -171,12 +171,18 @@ def test_boundary_entry_copies_every_groups_page_and_resumes_on_the_window_block
     assert kv.check_integrity([b]).entries == 4
 
 
-def test_losing_one_page_drops_the_whole_entry():
+def freed_with_an_entry_at_18() -> HybridKVCacheManager:
+    """A pool where a 22-token sequence with a boundary at 18 ran and was freed (its pages cached)."""
     kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
     a = new_seq(range(100, 122), "a", boundaries=(18,))
     step(kv, a, 22)
     kv.take_block_copies()
     kv.free(a)
+    return kv
+
+
+def test_losing_one_page_drops_the_whole_entry():
+    kv = freed_with_an_entry_at_18()
     assert list(kv.entries) == [12, 5]
     evict(kv, 13)  # the window group's page of the first entry: the entry goes, 12 is next
     assert list(kv.entries) == [5] and next(iter(kv.free_queue)) == 12
@@ -186,11 +192,7 @@ def test_losing_one_page_drops_the_whole_entry():
 
 
 def test_an_entry_needs_the_window_blocks_before_it():
-    kv = HybridKVCacheManager(32, BLOCK, LAYOUT)
-    a = new_seq(range(100, 122), "a", boundaries=(18,))
-    step(kv, a, 22)
-    kv.take_block_copies()
-    kv.free(a)
+    kv = freed_with_an_entry_at_18()
     b = new_seq([*range(100, 118), 300, 301], "b")
     assert kv.match_prefix(b).num_tokens == 18
     evict(kv, 8)  # the window group's [8, 12): 18 needs [10, 18), 16 [8, 16) and 12 [4, 12)
