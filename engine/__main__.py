@@ -8,10 +8,13 @@ import os
 import sys
 import typing
 
-# OpenMP workers that sleep at once when idle: a spinning worker on a shared 2-core box takes the
-# core from the thread with work (benchmarks/cpu_profile.py: 2 threads at 8-32 rows ran 5-10x
-# slower than with sleeping workers at load 7); libgomp reads this when torch loads it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP workers that spin a while (libgomp's GOMP_SPINCOUNT, unless OMP_WAIT_POLICY or it is set)
+# before they sleep: on a quiet 2-core Xeon a served batch-1 SmolLM2 decode ran at 29.4 tok/s so,
+# against 17.3 with sleeping workers (OMP_WAIT_POLICY=PASSIVE), which pay a futex wake-up in each
+# of a step's ~200 parallel regions (benchmarks/results/cpu_peers_governor.jsonl). Spinning workers
+# would fight other processes for the cores: engine.cpu.ThreadGovernor moves the engine's ops off
+# the cores others keep busy. libgomp reads this when torch loads it.
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 from engine.config import EngineConfig
 from engine.logs import LOG_LEVELS, configure_logging

@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from engine.config import CPU_KV_CACHE_GB, EngineConfig, ModelConfig
+from engine.cpu import ThreadGovernor, workers_spin
 from engine.kv_cache import BlockCounts, KVCacheManager
 from engine.kv_groups import HybridKVCacheManager, kv_layout
 from engine.kv_host import HostBlockPool, HostKVStore, HostTransfers
@@ -143,6 +144,11 @@ class EngineCore:
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
         self.counters = EngineCounters()
+        # a CPU engine's spinning OpenMP workers leave the cores other processes keep busy
+        # (a tensor-parallel rank's threads are set by its launcher)
+        self.thread_governor = (ThreadGovernor(torch.get_num_threads())
+                        if self.device.type == "cpu" and config.tensor_parallel_size == 1
+                        and torch.get_num_threads() > 1 and workers_spin() else None)
         # KV bytes by group for a context of max_model_len tokens: a window group holds its window only
         self.kv_group_windows = layout.group_windows
         group_blocks = layout.group_blocks(self.max_model_len, config.block_size)
@@ -294,6 +300,8 @@ class EngineCore:
         """Plan and queue a step, then record the step before it if that one is still in flight,
         then this one unless it may stay in flight; returns the frames of the steps recorded."""
         t0 = time.perf_counter()
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         scheduled = self.scheduler.schedule().scheduled  # the step in flight, if any, counts as done
         launched = None
         if scheduled:
@@ -439,6 +447,8 @@ class EngineCore:
             spec_num_accepted_tokens_per_pos=list(spec.accepted_per_pos) if spec else [],
             mixed_prefill_budget=(self.scheduler.mixed_budget.budget if self.scheduler.mixed_budget is not None
                                   else self.config.max_num_batched_tokens),
+            cpu_threads=(0 if self.device.type != "cpu" else
+                         self.thread_governor.threads if self.thread_governor is not None else torch.get_num_threads()),
         )
 
 

@@ -287,6 +287,8 @@ class EngineStats:
     num_host_cached_blocks: int = 0  # blocks it holds now
     host_offloaded_blocks: int = 0  # blocks copied to it since start (evicted from the pool)
     host_loaded_blocks: int = 0  # blocks copied back from it since start (prefix hits)
+    # The threads a CPU engine's ops run on now (engine.cpu.ThreadGovernor); 0 on a GPU and from an older engine.
+    cpu_threads: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATS_FIELDS}

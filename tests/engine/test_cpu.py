@@ -1,20 +1,25 @@
-"""The CPU engine's matmul paths (engine.models.cpu) and host memory (engine.cpu): the transposed
-fp32 layout against F.linear and the unmodified model, int8 weights against their dequantized
-values and the fp32 engine's greedy tokens, the lazily committed KV pool."""
+"""The CPU engine's matmul paths (engine.models.cpu) and host (engine.cpu): the transposed fp32
+layout against F.linear and the unmodified model, int8 weights against their dequantized values
+and the fp32 engine's greedy tokens, the lazily committed KV pool, the thread governor."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from paged import PagedKV
 
+import engine.cpu
 from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.cpu import lazy_zeros, resident_bytes
+from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
 from engine.models.cpu import CpuOps, Fp32Matmul, Int8, is_int8, quantize_int8, transpose_weights
 from engine.models.fp8 import quantize_fp8
 
@@ -100,3 +105,94 @@ def test_lazy_kv_pages_are_zero_and_cost_memory_only_once_written():
     assert resident_bytes() - before < 64 * 2**20
     assert pages[8:].count_nonzero() == 0 and pages[:8].sum() == 8 * 16 * 4 * 256
     assert lazy_zeros((4, 2), torch.bfloat16).dtype == torch.bfloat16
+
+
+class Clocks:
+    """What ThreadGovernor reads, advanced by hand: :meth:`run` is ``seconds`` in which this process
+    kept ``ours`` cores busy and other processes ``others``."""
+
+    def __init__(self) -> None:
+        self.now = self.ours = self.busy = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return self.ours
+
+    def run(self, seconds: float, ours: float, others: float) -> None:
+        self.now += seconds
+        self.ours += seconds * ours
+        self.busy += seconds * (ours + others)
+
+
+@pytest.fixture
+def governed(monkeypatch):
+    """A governor of 2 threads on 2 cores over :class:`Clocks`; torch's thread count restored after."""
+    clocks = Clocks()
+    monkeypatch.setattr(engine.cpu, "time", clocks)
+    monkeypatch.setattr(engine.cpu, "_busy_cpu_seconds", lambda cpus: clocks.busy)
+    threads = torch.get_num_threads()
+    governor = ThreadGovernor(2)
+    governor._cpus = {0, 1}
+
+    def window(ours: float, others: float, seconds: float = GOVERNOR_WINDOW_S) -> int:
+        clocks.run(seconds, ours, others)
+        governor.tick()
+        return governor.threads
+
+    yield governor, window
+    torch.set_num_threads(threads)
+
+
+def test_governor_gives_a_busy_core_back_and_takes_it_again_once_free(governed):
+    governor, window = governed
+    assert window(2.0, 0.1) == 2  # a quiet box: every thread
+    assert window(0.5, 1.5, seconds=GOVERNOR_WINDOW_S / 2) == 2  # within a window: not measured yet
+    assert window(1.2, 0.8) == 2  # others need a core: one window is not enough
+    assert window(1.1, 0.9) == 1 and torch.get_num_threads() == 1
+    assert window(1.0, 1.0) == 1  # one core each: settled
+    assert window(1.0, 0.3) == 1  # they left: one window is not enough
+    assert window(2.0, 0.0) == 2 and torch.get_num_threads() == 2
+
+
+def test_governor_does_not_measure_an_idle_gap(governed):
+    governor, window = governed
+    assert window(1.0, 1.0) == 2  # half a decision
+    assert window(0.0, 1.5, seconds=10 * GOVERNOR_WINDOW_S) == 2  # an idle engine: the gap is skipped
+    assert window(2.0, 0.0) == 2  # and does not complete the decision with this quiet window
+    assert window(2.0, 0.0) == 2
+
+
+def test_governor_leaves_a_core_to_a_busy_process():
+    """On this machine's /proc/stat: a busy-looping process takes a core from a governor that
+    started with one thread per core (at least 2)."""
+    threads = torch.get_num_threads()
+    max_threads = max(len(os.sched_getaffinity(0)), 2)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # running
+        governor = ThreadGovernor(max_threads)
+        for _ in range(3):
+            time.sleep(GOVERNOR_WINDOW_S * 1.1)
+            governor.tick()
+        assert governor.threads < max_threads
+    finally:
+        hog.kill()
+        hog.wait()
+        torch.set_num_threads(threads)
+
+
+def test_a_cpu_engine_is_governed_only_while_its_workers_spin(tiny, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as this suite runs: sleeping workers
+        assert EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1]).thread_governor is None
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+        core = EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1])
+        assert core.thread_governor.max_threads == 2 and core.stats().cpu_threads == 2
+        torch.set_num_threads(1)
+        assert EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1]).thread_governor is None
+    finally:
+        torch.set_num_threads(threads)
