@@ -1,8 +1,9 @@
 """EngineLoop: the EngineCore in a dedicated thread, fed by typed commands.
 
 HTTP handlers put commands in the inbox (thread-safe); between two steps the thread drains it, runs
-one step and hands the step's frames to the event loop with one ``call_soon_threadsafe``, so HTTP
-work never runs inside a step.
+one step and adds the step's frames to the outbox, so HTTP work never runs inside a step. The event
+loop takes the whole outbox at once: one ``call_soon_threadsafe`` per delivery, not per step, so a
+loop that falls behind the steps gets the frames of several steps in one callback.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class EngineLoop:
         self.snapshot: EngineStats | None = None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._deliver: Callable[[list[OutputFrame]], None] | None = None
+        self._outbox: list[OutputFrame] = []  # frames not yet taken by the event loop
+        self._outbox_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -165,7 +168,21 @@ class EngineLoop:
             if not core.has_work() or now - stats_at >= STATS_INTERVAL_S:  # fresh before idling
                 self.snapshot, stats_at = core.stats(), now
             if frames:
-                self._loop.call_soon_threadsafe(self._deliver, frames)
+                self._post(frames)
+
+    def _post(self, frames: list[OutputFrame]) -> None:
+        """Add frames to the outbox; the first frames of an empty outbox schedule its delivery."""
+        with self._outbox_lock:
+            scheduled = bool(self._outbox)
+            self._outbox.extend(frames)
+        if not scheduled:
+            self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        """On the event loop: deliver every frame the outbox holds."""
+        with self._outbox_lock:
+            frames, self._outbox = self._outbox, []
+        self._deliver(frames)
 
     def _step(self, core: EngineCore) -> list[OutputFrame]:
         steps, busy = core.counters.steps, core.counters.busy_seconds
