@@ -4,8 +4,9 @@ With a token, every endpoint but /health wants ``Authorization: Bearer <token>``
 a request's salt is a tenant's cache, so whoever may call /generate may read it.
 
 The two meet through :class:`engine.loop.EngineLoop`: a command queue (HTTP → engine) and an
-outbox of frames that the event loop takes whole (engine → HTTP): each stream gets its frames of a
-delivery as one list, so HTTP work never runs inside a step and a stream writes once per delivery.
+outbox of frames that the event loop takes whole, paced (engine → HTTP): each stream gets its frames
+of a delivery as one list, merged into one frame per sequence, so HTTP work never runs inside a step
+and a stream writes once per delivery.
 :class:`Sidecar` holds the handlers and the open streams.
 """
 
@@ -137,6 +138,7 @@ class Sidecar:
                 chunks = await stream.frames.get()
                 while not stream.frames.empty():
                     chunks += stream.frames.get_nowait()
+                chunks = OutputFrame.merge(chunks)  # one frame per sequence: a delivery may carry several steps
                 for f in chunks:
                     self._account(stream, f, reasons)
                 yield b"".join(f.pack() for f in chunks)
