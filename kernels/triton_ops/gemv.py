@@ -87,6 +87,7 @@ def _gemv_kernel(
     if GATED:
         up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
     if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x_row = x_ptr + row * x_stride
     residual_row = residual_ptr + row * residual_stride
@@ -120,8 +121,6 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x
         if GATED:
             acc_up += up.to(tl.float32) * x
-    if USE_PDL:  # the next kernel may launch once every program is here: only the stores remain
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Rounded to the activation dtype, as the product's output, before SiLU-and-mul.
     y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
