@@ -5,7 +5,8 @@ one step and adds the step's frames to the outbox, so HTTP work never runs insid
 loop takes the whole outbox at once, paced: the two threads share the GIL, so the HTTP work of a
 delivery (a write per stream) is time the engine waits; a delivery waits until the loop's CPU time
 since the last one is a small share of the time since then, and then carries the frames of every
-step in between. A request's first tokens go at once (time to first token is not paced).
+step in between. A request's first tokens and its end go at once: time to first token and a
+request's latency are not paced, the tokens in between are.
 """
 
 from __future__ import annotations
@@ -183,19 +184,20 @@ class EngineLoop:
 
     def _post(self, frames: list[OutputFrame]) -> None:
         """Add frames to the outbox; the first frames of an empty outbox schedule its delivery, a
-        request's first tokens one at once."""
-        first = False
+        request's first tokens or its end one at once."""
+        urgent = False
         for frame in frames:
             if frame.token_ids and frame.request_id not in self._streaming:
                 self._streaming.add(frame.request_id)
-                first = True
+                urgent = True
             if frame.finish_reason is not None:
                 self._streaming.discard(frame.request_id)
+                urgent = True
         with self._outbox_lock:
             scheduled = bool(self._outbox)
             self._outbox.extend(frames)
-        if first or not scheduled:
-            self._loop.call_soon_threadsafe(self._flush, not first)
+        if urgent or not scheduled:
+            self._loop.call_soon_threadsafe(self._flush, not urgent)
 
     def _flush(self, paced: bool = True) -> None:
         """On the event loop: deliver every frame the outbox holds, once the loop's share allows."""

@@ -1,5 +1,5 @@
-"""EngineLoop's outbox: first tokens go at once, later frames wait for the event loop's share, a
-failure delivers what the steps before it produced first. A fake clock and event loop; no thread."""
+"""EngineLoop's outbox: first tokens and ends go at once, other frames wait for the event loop's share,
+a failure delivers what the steps before it produced first. A fake clock and event loop; no thread."""
 
 import pytest
 
@@ -72,11 +72,16 @@ def test_first_tokens_go_at_once_later_frames_wait_for_the_loops_share(setup):
     assert len(delivered) == 1 and len(event_loop.later) == 1
     delay, fn, *args = event_loop.later.pop()
     assert delay == pytest.approx(0.001 / DELIVERY_LOOP_SHARE - 0.001)
-    engine._post([frame("a", 3), frame("b", 3, "length")])  # the outbox is pending: no new callback
+    engine._post([frame("a", 3), frame("b", 3)])  # the outbox is pending: no new callback
     assert event_loop.soon == []
     clock.wall += delay
     fn(*args)
     assert [[f.token_ids for f in d] for d in delivered[1:]] == [[[2], [2], [3], [3]]]
+
+    clock.cpu += 0.001
+    engine._post([frame("a", 4), frame("b", 4, "length")])  # b's end: at once, with a's token
+    event_loop.run_soon()
+    assert [[f.token_ids for f in d] for d in delivered[2:]] == [[[4], [4]]] and len(event_loop.later) == 0
 
 
 def test_the_wait_is_bounded_and_an_idle_loop_delivers_at_once(setup):
