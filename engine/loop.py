@@ -32,8 +32,10 @@ log = structlog.get_logger("engine.loop")
 
 STATS_INTERVAL_S = 0.05  # /stats and /metrics read a snapshot at most this old while busy
 # The event loop's share of the time while frames flow, and the longest a delivery waits for it. At 64
-# streams of SmolLM2 on the H200, one delivery a step took 1.2 ms of the loop against a 1.3 ms step:
-# the sidecar decoded at 0.46 of the offline rate (gpu_bench served, benchmarks/results/served_h200.jsonl).
+# streams of SmolLM2 on the H200, one delivery a step took 1.0-1.4 ms of the loop against a 1.3 ms step:
+# the sidecar decoded at 0.46-0.56 of the offline rate; paced, 0.3 ms a step and 0.71 (gpu_bench served,
+# benchmarks/results/served_h200.jsonl): at the bound the loop's per-token work (merge, metrics, pack)
+# still takes ~15 % of the time, and the engine thread waits for the GIL.
 DELIVERY_LOOP_SHARE = 0.03
 DELIVERY_MAX_WAIT_S = 0.05
 

@@ -73,7 +73,8 @@ def _gemv_kernel(
     optional ``residual`` add and RMSNorm; GATED reads the gate rows ``cols`` and the up rows
     ``n_out + cols`` and writes ``silu(gate) * up``. With a residual, the row's program whose
     turn it is writes each ``BLOCK_K`` slice of ``x + residual`` to ``residual_out``. The first
-    weight tiles are loaded before waiting on the previous kernel: they do not depend on it.
+    weight tiles are loaded before waiting on the previous kernel: they do not depend on it; once
+    they are issued the next kernel may launch and start loading its own.
     The rows of a batch stream the same weights at once: the second row on finds them in L2."""
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
