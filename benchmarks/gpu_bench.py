@@ -21,6 +21,10 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
+  served      decode tok/s of the sidecar over HTTP (``python -m engine serve``, driven by the gateway's
+              engine client) against the same engine stepped in-process (what ``python -m engine generate``
+              runs), Llama-3-8B and SmolLM2 shapes, batch 1 and 64 (128-token prompts, 512 new tokens),
+              with each side's engine milliseconds per step
 Engine sections run under each scheduling mode of ``--scheduling`` on the same engine (one record per
 mode, the peers of each other): ``sync`` (the synchronous loop: the "before"),
 ``async`` (overlapped scheduling: the CUDA default) and ``async+budget`` (overlapped, with a 50 ms mixed-prefill
@@ -32,15 +36,18 @@ is freed. Peers that would not fit in --budget-s are skipped with a line saying 
     python3 benchmarks/gpu_bench.py [--budget-s 420] [--only ttft,decode_b1,...] [--scheduling sync,async]
                                     [--no-peers]
     python3 benchmarks/gpu_bench.py --only fp8 --fp8-dry-run   # the fp8 section on the CPU, tiny
+    python3 benchmarks/gpu_bench.py --served-dry-run           # the served section on the CPU, tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -66,7 +73,7 @@ from engine.warmup import warmup
 from kernels import load_ops
 from loadtest.stamp import emit
 
-SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "hybrid", "fp8", "offline")
+SECTIONS = ("ttft", "decode_b1", "cont_batch", "prefill_8k", "hybrid", "fp8", "offline", "served")
 SCHEDULING = ("sync", "async", "async+budget")
 BUDGET_TARGET_MS = 50.0  # async+budget's --mixed-prefill-step-latency-ms
 MODELS = ("llama3-8b", "smollm2-135m", "qwen3-8b")
@@ -171,8 +178,8 @@ class Shape:
 # --- driving our engine ------------------------------------------------------------------------
 
 
-def make_engine(model: str, **settings) -> EngineCore:
-    config = EngineConfig(model=model, load_format="dummy", device="cuda", **settings)
+def make_engine(model: str, device: str = "cuda", **settings) -> EngineCore:
+    config = EngineConfig(model=model, load_format="dummy", device=device, **settings)
     t0 = time.perf_counter()
     core = EngineCore.from_config(config)
     warmup(core)
@@ -848,6 +855,178 @@ def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda",
          prompts=len(prompts), new_tokens=z["agree_new"], **weights_agree.record())
 
 
+# --- served: the sidecar over HTTP against the same engine offline -----------------------------
+
+# The served section's sizes (batch, prompt, new tokens, repeats); the dry run (CPU, tiny model) shrinks them.
+SERVED_SIZES = dict(batches=(1, 64), prompt=128, new=512, repeats=3)
+SERVED_DRY_SIZES = dict(batches=(1, 4), prompt=16, new=16, repeats=2)
+
+
+def decode_tok_s(first: dict[str, float], last: dict[str, float], new_tokens: int) -> float:
+    """A batch's decode throughput: each request's tokens after its first over the time they took, summed."""
+    return sum((new_tokens - 1) / (last[rid] - first[rid]) for rid in first)
+
+
+def step_ms(seconds: float, steps: int) -> float:
+    return round(seconds / steps * 1e3, 4) if steps else 0.0
+
+
+class Sidecar:
+    """``python -m engine serve`` on a free loopback port, ready once /health answers, stopped on exit;
+    measured through the gateway's own client (gateway/engine_client.py) on one pooled transport."""
+
+    def __init__(self, model: str, device: str, settings: dict, log_level: str = "WARNING"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", f"--port={port}", f"--model={model}", "--load-format=dummy",
+             f"--device={device}", f"--log-level={log_level}", *flags],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+
+    async def wait_ready(self, timeout_s: float = 300) -> None:
+        import httpx
+
+        deadline = time.perf_counter() + timeout_s
+        async with httpx.AsyncClient() as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"engine serve exited with {self.proc.returncode}")
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"engine serve not ready in {timeout_s:.0f} s")
+                try:
+                    if (await client.get(self.url + "/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.2)
+
+    async def counters(self) -> tuple[float, int, float, float]:
+        """(busy seconds, steps) of the engine so far, from /metrics, and the CPU seconds of the
+        sidecar's main thread (uvicorn's event loop) and of its other threads (the engine's among them)."""
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(self.url + "/metrics")).text
+        values = dict(line.split(" ", 1) for line in text.splitlines()
+                      if line.startswith("kvgate_engine_step_seconds_"))
+        loop_cpu = other_cpu = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # a thread that just ended
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(task) == self.proc.pid:
+                loop_cpu += cpu
+            else:
+                other_cpu += cpu
+        return (float(values["kvgate_engine_step_seconds_sum"]), int(float(values["kvgate_engine_step_seconds_count"])),
+                loop_cpu, other_cpu)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def served_run(client, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[dict, dict]:
+    """Every prompt sent at once, each on its own stream as the gateway does; the client-side time of
+    each request's first and last token."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    async def one(rid: str, prompt: list[int]) -> None:
+        stream = await client.open(GenerateRequest(rid, prompt, greedy(new_tokens), salt=tag))
+        got = 0
+        try:
+            async for frame in stream.frames():
+                if frame.token_ids:
+                    now = time.perf_counter() - t0
+                    first.setdefault(rid, now)
+                    last[rid] = now
+                    got += len(frame.token_ids)
+                if frame.error is not None:
+                    raise RuntimeError(f"{rid}: {frame.error}")
+        finally:
+            await stream.aclose()
+        if got != new_tokens:
+            raise RuntimeError(f"{rid}: {got} tokens, not {new_tokens}")
+
+    await asyncio.gather(*(one(f"{tag}{i}", p) for i, p in enumerate(prompts)))
+    return first, last
+
+
+def bench_served(name: str, settings: dict, device: str = "cuda", sizes: dict = SERVED_SIZES) -> None:
+    """Decode tok/s of the sidecar over HTTP against the same engine stepped in-process (what
+    ``python -m engine generate`` runs), same model shape, settings and requests, at each batch."""
+    z = sizes
+    prompts = {b: random_prompts(b, z["prompt"], 500 + b) for b in z["batches"]}
+    core = make_engine(name, device=device, **settings)
+    mode = "async" if core.async_scheduling else "sync"
+    offline: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
+    Run(core, prompts[1][:1], [greedy(z["new"])], "srv-warm-")
+    for r in range(z["repeats"]):
+        for b in z["batches"]:
+            steps, busy = core.counters.steps, core.counters.busy_seconds
+            run = Run(core, prompts[b], [greedy(z["new"])] * b, f"srv-off{r}-{b}-")
+            offline[b].append((decode_tok_s(run.first, run.last, z["new"]),
+                               step_ms(core.counters.busy_seconds - busy, core.counters.steps - steps)))
+    del core
+    if device == "cuda":
+        free_cuda()
+    served, cpu = asyncio.run(_served(name, settings, device, prompts, z))
+    for b in z["batches"]:
+        off = statistics.median(rate for rate, _ in offline[b])
+        on = statistics.median(rate for rate, _ in served[b])
+        emit(bench="served", model=name, batch=b, scheduling=mode, prompt_tokens=z["prompt"],
+             new_tokens=z["new"], peer="offline: the same engine stepped in-process (python -m engine generate)",
+             served_tok_s=round(on, 1), offline_tok_s=round(off, 1), ratio=round(on / off, 3),
+             served_runs_tok_s=[round(rate, 1) for rate, _ in served[b]],
+             offline_runs_tok_s=[round(rate, 1) for rate, _ in offline[b]],
+             served_engine_step_ms=[ms for _, ms in served[b]], offline_engine_step_ms=[ms for _, ms in offline[b]],
+             served_loop_thread_cpu_ms_per_step=[ms for ms, _ in cpu[b]],
+             served_other_threads_cpu_ms_per_step=[ms for _, ms in cpu[b]],
+             goal="served >= 0.95 of offline", met=on / off >= 0.95)
+
+
+async def _served(name: str, settings: dict, device: str, prompts: dict, z: dict) -> dict:
+    import httpx
+
+    from gateway.engine_client import EngineClient
+
+    sidecar = Sidecar(name, device, settings)
+    served: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
+    cpu: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
+    try:
+        await sidecar.wait_ready()
+        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        client = EngineClient(sidecar.url, transport)
+        await served_run(client, prompts[1][:1], z["new"], "srv-warm-")
+        for r in range(z["repeats"]):
+            for b in z["batches"]:
+                before = await sidecar.counters()
+                first, last = await served_run(client, prompts[b], z["new"], f"srv-on{r}-{b}-")
+                busy, steps, loop_cpu, other_cpu = (a - b for a, b in zip(await sidecar.counters(), before))
+                served[b].append((decode_tok_s(first, last, z["new"]), step_ms(busy, steps)))
+                cpu[b].append((step_ms(loop_cpu, steps), step_ms(other_cpu, steps)))
+        await transport.aclose()
+    finally:
+        sidecar.close()
+    return served, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=420,
@@ -862,11 +1041,17 @@ def main() -> None:
                         help="skip the peers (torch.compile, HF): only our engine's scheduling modes, side by side")
     parser.add_argument("--fp8-dry-run", action="store_true",
                         help="run the fp8 section alone on the CPU with the tiny model and tiny sizes")
+    parser.add_argument("--served-dry-run", action="store_true",
+                        help="run the served section alone on the CPU with the tiny model and tiny sizes")
     args = parser.parse_args()
     if args.fp8_dry_run:
         configure_logging("WARNING")
         bench_fp8("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), bandwidth=1e11, device="cpu",
                   sizes=FP8_DRY_SIZES)
+        return
+    if args.served_dry_run:
+        configure_logging("WARNING")
+        bench_served("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), device="cpu", sizes=SERVED_DRY_SIZES)
         return
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device")
@@ -899,6 +1084,9 @@ def main() -> None:
         guarded("hybrid", lambda: bench_hybrid(budget))
     if "offline" in sections and budget.allows("offline", "ours", 50):
         guarded("offline", lambda: bench_offline(bandwidth, peak, budget, modes))
+    for name, max_len in (("llama3-8b", 8192), (small, 2048)):
+        if "served" in sections and name in models and budget.allows("served", "ours", 40):
+            guarded("served", lambda: bench_served(name, {**engine, "max_model_len": max_len}))
     emit(bench="done", seconds=round(time.perf_counter() - START, 1))
 
 

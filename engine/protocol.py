@@ -210,6 +210,26 @@ class OutputFrame:
     def pack(self) -> bytes:
         return msgpack.packb(self.to_wire())
 
+    @staticmethod
+    def merge(frames: list[OutputFrame]) -> list[OutputFrame]:
+        """One frame per (request, sequence) of ``frames``, in the order of their first: the tokens and
+        logprobs of consecutive frames joined, the counts, finish and error of the last, the prompt's
+        logprobs of the first that has them. A stream of merged frames means what the frames meant."""
+        merged: dict[tuple[str, int], OutputFrame] = {}
+        for frame in frames:
+            into = merged.get((frame.request_id, frame.index))
+            if into is None:
+                merged[(frame.request_id, frame.index)] = dataclasses.replace(frame, token_ids=list(frame.token_ids))
+                continue
+            into.token_ids += frame.token_ids
+            if frame.logprobs is not None:
+                into.logprobs = (into.logprobs or []) + frame.logprobs
+            if into.prompt_logprobs is None:
+                into.prompt_logprobs = frame.prompt_logprobs
+            into.finish_reason, into.error = frame.finish_reason, frame.error
+            into.num_prompt_tokens, into.num_cached_tokens = frame.num_prompt_tokens, frame.num_cached_tokens
+        return list(merged.values())
+
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> OutputFrame:
         logprobs = wire.get("logprobs")

@@ -3,9 +3,11 @@
 With a token, every endpoint but /health wants ``Authorization: Bearer <token>`` (:class:`TokenAuth`):
 a request's salt is a tenant's cache, so whoever may call /generate may read it.
 
-The two meet through :class:`engine.loop.EngineLoop`: a command queue (HTTP → engine) and one
-``call_soon_threadsafe`` per step that hands every stream its frames (engine → HTTP), so HTTP work
-never runs inside a step. :class:`Sidecar` holds the handlers and the open streams.
+The two meet through :class:`engine.loop.EngineLoop`: a command queue (HTTP → engine) and an
+outbox of frames that the event loop takes whole, paced (engine → HTTP): each stream gets its frames
+of a delivery as one list, merged into one frame per sequence, so HTTP work never runs inside a step
+and a stream writes once per delivery.
+:class:`Sidecar` holds the handlers and the open streams.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class _Stream:
                  "last_token_at")
 
     def __init__(self, n: int, prompt_len: int):
-        self.frames: asyncio.Queue[OutputFrame] = asyncio.Queue()
+        self.frames: asyncio.Queue[list[OutputFrame]] = asyncio.Queue()
         self.open_indices = set(range(n))  # sequences not finished yet
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -82,18 +84,21 @@ class Sidecar:
         self.engine.stop()
 
     def _deliver(self, frames: list[OutputFrame]) -> None:
+        by_request: dict[str, list[OutputFrame]] = {}
         for frame in frames:
-            stream = self.streams.get(frame.request_id)
+            by_request.setdefault(frame.request_id, []).append(frame)
+        for request_id, chunk in by_request.items():
+            stream = self.streams.get(request_id)
             if stream is not None:
-                stream.frames.put_nowait(frame)
+                stream.frames.put_nowait(chunk)
 
     def _fail_streams(self, exc: BaseException) -> None:
         """The engine failed: end every open sequence of every stream with an error frame."""
         for request_id, stream in self.streams.items():
-            for index in sorted(stream.open_indices):
-                stream.frames.put_nowait(
-                    OutputFrame(request_id, index, finish_reason="error", error=f"engine failed: {exc}")
-                )
+            stream.frames.put_nowait([
+                OutputFrame(request_id, index, finish_reason="error", error=f"engine failed: {exc}")
+                for index in sorted(stream.open_indices)
+            ])
 
     def _not_ready(self) -> JSONResponse | None:
         if self.engine.failed is not None:
@@ -130,10 +135,10 @@ class Sidecar:
         reasons: list[str] = []
         try:
             while stream.open_indices:
-                frame = await stream.frames.get()
-                chunks = [frame]
+                chunks = await stream.frames.get()
                 while not stream.frames.empty():
-                    chunks.append(stream.frames.get_nowait())
+                    chunks += stream.frames.get_nowait()
+                chunks = OutputFrame.merge(chunks)  # one frame per sequence: a delivery may carry several steps
                 for f in chunks:
                     self._account(stream, f, reasons)
                 yield b"".join(f.pack() for f in chunks)

@@ -184,6 +184,7 @@ def _fused_decode_kernel(
     head = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & d_ok[None, :]
     if USE_PDL:  # what comes before is the step's inputs and older pages; q, k and v are the previous kernel's
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel's weight loads overlap this one
         tl.extra.cuda.gdc_wait()
     q_heads = q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h
     q = _load_rotated(q_heads, d[None, :], rot_d[None, :], q_mask, cos[None, :], signed_sin[None, :],
@@ -238,8 +239,6 @@ def _fused_decode_kernel(
             tl.store(v_cache_ptr + dst, v_cached, mask=d_ok)
         if seq_len > 0:
             acc, m_i, l_i = _attend_new_key(q, k_cached, v_cached, acc, m_i, l_i, scale_log2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
     # A context of length 0 (a padding row) leaves l_i = 0: its output is zeros, not NaN.
     out = _value_scaled(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], v_scale_ptr, kv_head)

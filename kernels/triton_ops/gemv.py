@@ -73,7 +73,8 @@ def _gemv_kernel(
     optional ``residual`` add and RMSNorm; GATED reads the gate rows ``cols`` and the up rows
     ``n_out + cols`` and writes ``silu(gate) * up``. With a residual, the row's program whose
     turn it is writes each ``BLOCK_K`` slice of ``x + residual`` to ``residual_out``. The first
-    weight tiles are loaded before waiting on the previous kernel: they do not depend on it.
+    weight tiles are loaded before waiting on the previous kernel: they do not depend on it; once
+    they are issued the next kernel may launch and start loading its own.
     The rows of a batch stream the same weights at once: the second row on finds them in L2."""
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -87,6 +88,7 @@ def _gemv_kernel(
     if GATED:
         up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
     if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x_row = x_ptr + row * x_stride
     residual_row = residual_ptr + row * residual_stride
@@ -120,8 +122,6 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x
         if GATED:
             acc_up += up.to(tl.float32) * x
-    if USE_PDL:  # the next kernel may launch once every program is here: only the stores remain
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Rounded to the activation dtype, as the product's output, before SiLU-and-mul.
     y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
