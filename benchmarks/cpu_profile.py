@@ -7,7 +7,7 @@ the weight bytes streamed per second, and the ratio to F.linear (fp32 paths must
 the bf16 and int8 ones change the numbers and are the --dtype / --quantization candidates).
 
 ``threads``: those matmuls (fp32 F.linear) with 1 thread, and with 2 whose idle OpenMP workers
-spin (libgomp's default) or sleep (``OMP_WAIT_POLICY=PASSIVE``, what ``python -m engine`` sets).
+spin (libgomp's default) or sleep (``OMP_WAIT_POLICY=PASSIVE``; ``python -m engine`` spins, with a governor).
 
 ``steps``: the engine itself (the GGUF, fp32 unless --dtype/--quantization) under torch.profiler:
 a decode step at batch 1, 8 and 32 (contexts of --context tokens) and a prefill chunk of

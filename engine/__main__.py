@@ -8,13 +8,14 @@ import os
 import sys
 import typing
 
-# OpenMP workers that spin a while (libgomp's GOMP_SPINCOUNT, unless OMP_WAIT_POLICY or it is set)
-# before they sleep: on a quiet 2-core Xeon a served batch-1 SmolLM2 decode ran at 29.4 tok/s so,
-# against 17.3 with sleeping workers (OMP_WAIT_POLICY=PASSIVE), which pay a futex wake-up in each
-# of a step's ~200 parallel regions (benchmarks/results/cpu_peers_governor.jsonl). Spinning workers
-# would fight other processes for the cores: engine.cpu.ThreadGovernor moves the engine's ops off
-# the cores others keep busy. libgomp reads this when torch loads it.
-os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+# OpenMP workers that spin a while before they sleep (libgomp's GOMP_SPINCOUNT, which wins over
+# OMP_WAIT_POLICY: set only where neither is): on a quiet 2-core Xeon a served batch-1 SmolLM2
+# decode ran at 1.6x the speed it has with sleeping workers (OMP_WAIT_POLICY=PASSIVE), which pay a
+# futex wake-up in each of a step's ~200 parallel regions (benchmarks/results/cpu_peers_governor.jsonl).
+# Spinning workers would fight other processes for the cores: engine.cpu.ThreadGovernor moves the
+# engine's ops off the cores others keep busy. libgomp reads this when torch loads it.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 from engine.config import EngineConfig
 from engine.logs import LOG_LEVELS, configure_logging

@@ -38,7 +38,11 @@ GOVERNOR_WINDOW_S = 0.5
 
 
 def workers_spin() -> bool:
-    """Whether idle OpenMP workers spin (every OMP_WAIT_POLICY but PASSIVE)."""
+    """Whether idle OpenMP workers spin before they sleep: libgomp's GOMP_SPINCOUNT where it is set
+    (it wins over OMP_WAIT_POLICY), else every OMP_WAIT_POLICY but PASSIVE."""
+    spin_count = os.environ.get("GOMP_SPINCOUNT")
+    if spin_count is not None:
+        return spin_count.strip() != "0"
     return os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
 
 

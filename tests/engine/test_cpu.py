@@ -187,12 +187,19 @@ def test_a_cpu_engine_is_governed_only_while_its_workers_spin(tiny, monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        def governor():
+            return EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1]).thread_governor
+
         monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as this suite runs: sleeping workers
-        assert EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1]).thread_governor is None
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        assert governor() is None
+        monkeypatch.setenv("GOMP_SPINCOUNT", "100000")  # libgomp: a spin count wins over the policy
+        assert governor().max_threads == 2
+        monkeypatch.delenv("GOMP_SPINCOUNT")
         monkeypatch.delenv("OMP_WAIT_POLICY")
         core = EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1])
         assert core.thread_governor.max_threads == 2 and core.stats().cpu_threads == 2
         torch.set_num_threads(1)
-        assert EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1]).thread_governor is None
+        assert governor() is None
     finally:
         torch.set_num_threads(threads)
