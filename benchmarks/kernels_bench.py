@@ -581,14 +581,21 @@ FP8_PREFILL_ROWS = (1024, 8192)
 FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
                   (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (False, 32, 256, 4, 4, 4),
                   (False, 64, 256, 4, 3, 2)]
-FP8_ROWS_SWEEP = [(False, 64, 256, 4, 3, 2), (False, 64, 128, 4, 4, 2), (False, 32, 256, 4, 4, 4),
-                  (False, 128, 128, 4, 4, 2), (False, 64, 256, 4, 4, 1), (False, 128, 256, 8, 3, 1)]
+# ... and at each of --fp8-sweep-rows (the tensor cores), by the engine's path (norm_linear, gated
+# gate_up); a tile the multiprocessor cannot hold is reported as such
+FP8_ROWS_SWEEP = [
+    (False, 32, 256, 4, 4, 4), (False, 32, 256, 4, 4, 8), (False, 64, 128, 4, 4, 2), (False, 64, 256, 4, 3, 2),
+    (False, 64, 256, 4, 4, 1), (False, 64, 256, 4, 4, 2), (False, 64, 256, 4, 4, 4), (False, 64, 256, 8, 4, 2),
+    (False, 64, 512, 4, 3, 2), (False, 64, 512, 8, 3, 2), (False, 128, 128, 4, 4, 1), (False, 128, 128, 4, 4, 2),
+    (False, 128, 128, 4, 4, 4), (False, 128, 128, 8, 4, 2), (False, 128, 256, 4, 3, 2), (False, 128, 256, 8, 3, 1),
+    (False, 128, 256, 8, 3, 2), (False, 128, 256, 8, 4, 2), (False, 256, 128, 8, 3, 2),
+]
 FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
 
-def bench_fp8(bandwidth: float, sweep: bool) -> None:
+def bench_fp8(bandwidth: float, sweep: bool, sweep_rows: tuple[int, ...] = FP8_SWEEP_ROWS) -> None:
     """fp8 weights (per-channel scales) against bf16 at Llama-3-8B shapes, under CUDA graphs over
     rotated layers: the batch-1 GEMV per projection, as a layer's chain and for the LM head;
     then a layer's four projections at growing batches by each fp8 path (the GEMV; the rows'
@@ -597,7 +604,7 @@ def bench_fp8(bandwidth: float, sweep: bool) -> None:
     hidden, qkv_width, q_width, inter = GEMV_SHAPES["llama3-8b"]
     bf16 = [LayerWeights.random(hidden, qkv_width, q_width, inter) for _ in range(FP8_LAYERS)]
     fp8 = [{name: quantize_weight(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")} for w in bf16]
-    _fp8_decode(bf16, fp8, bandwidth, sweep)
+    _fp8_decode(bf16, fp8, bandwidth, sweep, sweep_rows if sweep else ())
     _fp8_batches(bf16, fp8)
     _fp8_prefill(bf16[0], fp8[0])
 
@@ -609,18 +616,13 @@ def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, rows: int, fn: Callable[..., obj
     return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", defaults, fn))
 
 
-def _fp8_projection_cases(bf16, fp8, rows: int, norm: bool = True) -> dict:
-    """name -> (bf16 call, fp8 call); each call takes the layer index. Without ``norm`` every
-    projection is a plain linear (past FP8_GEMV_MAX_ROWS fp8 rows are normed apart anyway)."""
+def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
+    """name -> (bf16 call, fp8 call) by the engine's ops (norm_linear for qkv and gated gate_up);
+    each call takes the layer index."""
     x, residual = (torch.randn(rows, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(2))
     attn = torch.randn(rows, bf16[0].q_width, dtype=DTYPE, device="cuda")
     act = torch.randn(rows, INTERMEDIATE, dtype=DTYPE, device="cuda")
     eps = GEMV_EPS
-    if not norm:
-        widths = {"qkv": HIDDEN, "o": bf16[0].q_width, "gate_up": HIDDEN, "down": INTERMEDIATE}
-        inputs = {n: torch.randn(rows, k, dtype=DTYPE, device="cuda") for n, k in widths.items()}
-        return {n: (lambda i, n=n: triton_ops.linear(inputs[n], getattr(bf16[i], n)),
-                    lambda i, n=n: triton_ops.linear(inputs[n], *fp8[i][n])) for n in widths}
     return {
         "qkv": (lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, bf16[i].qkv)[0],
                 lambda i: triton_ops.norm_linear(x, bf16[i].ln1, eps, residual, fp8[i]["qkv"][0], False,
@@ -633,7 +635,7 @@ def _fp8_projection_cases(bf16, fp8, rows: int, norm: bool = True) -> dict:
     }
 
 
-def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
+def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int, ...]) -> None:
     layers = len(bf16)
     cases = _fp8_projection_cases(bf16, fp8, 1)
     for name, (bf16_fn, fp8_fn) in cases.items():
@@ -651,15 +653,18 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool) -> None:
                                            FP8_REPLAYS)
                 emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),
                      fp8_of_roofline=round(roofline_us / alt_us, 3))
-    if sweep:
-        for rows in FP8_SWEEP_ROWS:
-            for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows, norm=False).items():
-                roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
-                for alt in FP8_ROWS_SWEEP:
+    for rows in sweep_rows:
+        for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows).items():
+            roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
+            for alt in FP8_ROWS_SWEEP:
+                try:
                     alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), rows, fp8_fn), layers,
                                                FP8_REPLAYS)
-                    emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, fp8_us=round(alt_us, 2),
-                         fp8_of_roofline=round(roofline_us / alt_us, 3))
+                except triton.runtime.errors.OutOfResources as e:
+                    emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, skipped=str(e))
+                    continue
+                emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, fp8_us=round(alt_us, 2),
+                     fp8_of_roofline=round(roofline_us / alt_us, 3))
 
     def chain(kind: int):
         def run(i: int):
@@ -738,6 +743,8 @@ def main() -> None:
         "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "decode_layer", "fp8"),
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
+    parser.add_argument("--fp8-sweep-rows", default=",".join(map(str, FP8_SWEEP_ROWS)),
+                        help="rows at which --sweep times FP8_ROWS_SWEEP's tensor-core tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")
@@ -751,7 +758,7 @@ def main() -> None:
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
         "gemv": lambda: bench_gemv(bandwidth, args.sweep),
         "decode_layer": lambda: bench_decode_layer(bandwidth, args.sweep),
-        "fp8": lambda: bench_fp8(bandwidth, args.sweep),
+        "fp8": lambda: bench_fp8(bandwidth, args.sweep, tuple(int(r) for r in args.fp8_sweep_rows.split(","))),
     }
     for name, run in groups.items():
         if args.only in (None, name):

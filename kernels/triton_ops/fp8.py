@@ -14,6 +14,7 @@ import triton.language as tl
 from kernels import FP8_GEMV_MAX_ROWS
 from kernels.triton_ops._checks import _INTERPRETED, _check, _check_devices, _check_last_dim_contiguous
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
+from kernels.triton_ops.norm_rope import _MAX_ROW_WIDTH
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
 # The interpreter's fp32 -> fp8 conversion rounds ties away and loses the carry of a mantissa
@@ -50,21 +51,41 @@ def row_scale(amax):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, k_in, x_stride, BLOCK_K: tl.constexpr):
-    """Program per row: its absolute maximum, then the row over its scale."""
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, k_in, x_stride, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Program per row: its absolute maximum, then the row over its scale. ONE_PASS: the row fits
+    in one BLOCK_K, loaded once and kept in registers; otherwise it is read twice, a BLOCK_K at a
+    time."""
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, k_in, BLOCK_K):
-        k = k_start + kk
-        x = tl.load(x_ptr + row * x_stride + k, mask=k < k_in, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = row_scale(tl.max(amax, 0))
-    tl.store(scale_ptr + row, scale)
-    for k_start in range(0, k_in, BLOCK_K):
-        k = k_start + kk
-        x = tl.load(x_ptr + row * x_stride + k, mask=k < k_in, other=0.0)
-        tl.store(out_ptr + row * k_in + k, to_fp8(x, scale), mask=k < k_in)
+    if ONE_PASS:
+        x = tl.load(x_ptr + row * x_stride + kk, mask=kk < k_in, other=0.0)
+        scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * k_in + kk, to_fp8(x, scale), mask=kk < k_in)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, k_in, BLOCK_K):
+            k = k_start + kk
+            x = tl.load(x_ptr + row * x_stride + k, mask=k < k_in, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = row_scale(tl.max(amax, 0))
+        tl.store(scale_ptr + row, scale)
+        for k_start in range(0, k_in, BLOCK_K):
+            k = k_start + kk
+            x = tl.load(x_ptr + row * x_stride + k, mask=k < k_in, other=0.0)
+            tl.store(out_ptr + row * k_in + k, to_fp8(x, scale), mask=k < k_in)
+
+
+# quantize_rows keeps a row of up to _QUANTIZE_ONE_PASS_MAX features (Llama 3 8B's 14336 included)
+# in registers when there are at most _QUANTIZE_ONE_PASS_MAX_ROWS rows: a decode batch's launch is
+# bound by its chain of dependent loads, which one pass halves (H200, a Llama 3 8B layer's four
+# quantizations at 64 rows under a CUDA graph: 16.7 -> 11.2 us; 256 rows: 19.6 -> 15.4 us). Larger
+# batches keep two passes of BLOCK_K: in one pass, 1024 rows of 4096 took 41 us instead of 11 and
+# 8192 rows of 14336 177 us instead of 157. The interpreter's limit is small, so that tests cover
+# both paths.
+_QUANTIZE_ONE_PASS_MAX = 64 if _INTERPRETED else 16384
+_QUANTIZE_ONE_PASS_MAX_ROWS = 256
+_QUANTIZE_BLOCK_K = 32 if _INTERPRETED else 1024
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +97,64 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty((rows, k_in), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, out, scale, k_in, x.stride(0), BLOCK_K=32 if _INTERPRETED else 1024)
+        one_pass = rows <= _QUANTIZE_ONE_PASS_MAX_ROWS and triton.next_power_of_2(k_in) <= _QUANTIZE_ONE_PASS_MAX
+        block_k = triton.next_power_of_2(k_in) if one_pass else _QUANTIZE_BLOCK_K
+        _quantize_rows_kernel[(rows,)](x, out, scale, k_in, x.stride(0), BLOCK_K=block_k, ONE_PASS=one_pass,
+                                       num_warps=max(4, min(16, block_k // 512)))
     return out, scale
+
+
+@triton.jit
+def _rms_norm_quantize_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, residual_out_ptr, eps, width, x_stride, residual_stride,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program per row: rms_norm's row (norm_rope._rms_norm_kernel's arithmetic, the normed row
+    rounded to x's dtype as rms_norm returns it; ``x + residual`` written to ``residual_out``),
+    then quantized as _quantize_rows_kernel quantizes it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * width + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / width + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (xf * rstd * weight).to(dtype).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(normed), 0))
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * width + cols, to_fp8(normed, scale), mask=mask)
+
+
+def rms_norm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_rows(rms_norm(x, weight, eps, residual)[0])`` in one launch, the normed rows never
+    written: ``(x_fp8 [rows, k], scale [rows, 1], residual_out)``, residual_out as rms_norm's (x
+    itself without a residual). For decode batches: a program per row, held in registers, as
+    quantize_rows' one pass. The caller checks the norm's inputs."""
+    _check(x.dim() == 2, f"x must have 2 dims, got shape {tuple(x.shape)}")
+    _check_last_dim_contiguous("x", x)
+    rows, width = x.shape
+    _check(width <= _MAX_ROW_WIDTH, f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
+    block = triton.next_power_of_2(width)
+    out = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    residual_out = x
+    if residual is not None:
+        _check_last_dim_contiguous("residual", residual)
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if rows:
+        _rms_norm_quantize_kernel[(rows,)](
+            x, x if residual is None else residual, weight, out, scale, residual_out, eps, width, x.stride(0),
+            0 if residual is None else residual.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=max(1, min(8, block // 512)),  # rms_norm's, so that the sum of squares is its sum
+        )
+    return out, scale, residual_out
 
 
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -129,8 +206,10 @@ FP8_GEMV_DEFAULT_TILES: dict[int, Fp8GemvTiles] = {
 FP8_GEMV_TILES: dict[tuple[int, int, int], Fp8GemvTiles] = {} if _INTERPRETED else {
     (1, 4096, 4096): _ROW_TILES._replace(block_k=1024),  # o
     (1, 4096, 14336): FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS],  # down: the tensor cores, as for more rows
-    (FP8_GEMV_QUANTIZED_MAX_ROWS, 28672, 4096): Fp8GemvTiles(  # gate_up
-        cuda_cores=False, block_n=128, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
+    # gate_up, gated as norm_linear runs it (64 rows: 38.4 us; the plain product's fastest,
+    # block_n=128, took 52.1 us gated)
+    (FP8_GEMV_QUANTIZED_MAX_ROWS, 28672, 4096): Fp8GemvTiles(
+        cuda_cores=False, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
 
 
@@ -390,19 +469,24 @@ def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
 def fp8_gemv(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    gated: bool = False,
+    gated: bool = False, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, residual_out)`` of a decode batch (up to FP8_GEMV_QUANTIZED_MAX_ROWS rows) in one
     launch: up to ``kernels.FP8_GEMV_MAX_ROWS`` rows unquantized (with the optional residual add
-    and RMSNorm fused in), more quantized per row first (no norm: ``norm_linear`` norms them
-    before). No host sync and a fixed-size scratch: it may be captured in a CUDA graph once it
-    has run eagerly on the device."""
+    and RMSNorm fused in), more quantized per row first (no norm: ``norm_linear`` norms and
+    quantizes them by rms_norm_quantize, then passes fp8 ``x`` with its ``x_scale [rows, 1]`` and
+    ``out_dtype``). No host sync and a fixed-size scratch: it may be captured in a CUDA graph
+    once it has run eagerly on the device."""
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
     _check_devices(x=x, weight=weight, weight_scale=weight_scale)
     x_fp8 = rows > FP8_GEMV_MAX_ROWS
     _check(not x_fp8 or norm_weight is None, f"norm_linear fuses its norm only up to {FP8_GEMV_MAX_ROWS} rows")
-    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    quantized = x_scale is not None
+    _check(quantized == (x.dtype == torch.float8_e4m3fn), "fp8 x comes with its x_scale, and only fp8 x")
+    _check(not quantized or (x_fp8 and residual is None and out_dtype is not None),
+           f"quantized x: more than {FP8_GEMV_MAX_ROWS} rows, no residual, an out_dtype")
+    out = torch.empty((rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
     residual_out = x
     if residual is not None:
         _check_last_dim_contiguous("residual", residual)
@@ -434,8 +518,10 @@ def fp8_gemv(
             NORM_BLOCK=min(_FP8_GEMV_MAX_NORM_BLOCK, triton.next_power_of_2(k_in)), **flags,
         )
         return out, residual_out
-    x_in, x_scale = quantize_rows(x) if x_fp8 else (x, None)
-    if _INTERPRETED or x.dtype == torch.float32:
+    x_in = x
+    if x_fp8 and not quantized:
+        x_in, x_scale = quantize_rows(x)
+    if _INTERPRETED or out.dtype == torch.float32:
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.float8e4nv if x_fp8 else tl.float16

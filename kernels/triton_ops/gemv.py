@@ -19,7 +19,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
 )
 from kernels.triton_ops._launch import _pdl_args
-from kernels.triton_ops.fp8 import FP8_GEMV_QUANTIZED_MAX_ROWS, fp8_gemv, scaled_linear
+from kernels.triton_ops.fp8 import FP8_GEMV_QUANTIZED_MAX_ROWS, fp8_gemv, rms_norm_quantize, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
 # One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
@@ -208,7 +208,7 @@ def norm_linear(
     weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode batches take one GEMV launch for all of it (fp8 weights past FP8_GEMV_MAX_ROWS rows:
-    rms_norm, then ``fp8_gemv`` with SiLU-and-mul fused in)."""
+    rms_norm_quantize, then ``fp8_gemv`` with SiLU-and-mul fused in)."""
     _check_gemv_weight(x, weight, weight_scale)
     _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
@@ -220,6 +220,7 @@ def norm_linear(
     if weight_scale is None:
         return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
     if x.shape[0] > FP8_GEMV_MAX_ROWS:
-        normed, residual = rms_norm(x, norm_weight, eps, residual)
-        return fp8_gemv(normed, weight, weight_scale, n_out, gated=gated)[0], residual
+        x_fp8, x_scale, residual = rms_norm_quantize(x, norm_weight, eps, residual)
+        out = fp8_gemv(x_fp8, weight, weight_scale, n_out, gated=gated, x_scale=x_scale, out_dtype=x.dtype)[0]
+        return out, residual
     return fp8_gemv(x, weight, weight_scale, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)

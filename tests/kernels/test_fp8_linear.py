@@ -25,13 +25,29 @@ def fp8_inputs(rows, n_out, k_in, dtype, gated=False, device="cpu"):
     return tuple(t.to(device) for t in (x, residual, norm_weight, weight, weight_fp8, scale))
 
 
-def test_quantize_rows_matches_reference_bytes(ops):
-    x = torch.randn(5, 70) * torch.tensor([1.0, 1e-3, 300.0, 1.0, 0.0])[:, None]
+@pytest.mark.parametrize("k_in", [40, 70], ids=["one_pass", "two_passes"])
+def test_quantize_rows_matches_reference_bytes(ops, k_in):
+    x = torch.randn(5, k_in) * torch.tensor([1.0, 1e-3, 300.0, 1.0, 0.0])[:, None]
     x_fp8, scale = fp8.quantize_rows(x)
     expected_fp8, expected_scale = reference.quantize_rows(x)
     assert torch.equal(x_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
     assert torch.equal(scale, expected_scale)
     assert scale[4].item() == 1.0 and not x_fp8[4].float().any()  # an all-zero row
+
+
+def assert_rms_norm_quantize_is_quantized_rms_norm(x, residual, norm_weight):
+    x_fp8, scale, new_residual = fp8.rms_norm_quantize(x, norm_weight, 1e-5, residual)
+    normed, expected_residual = triton_ops.rms_norm(x, norm_weight, 1e-5, residual)
+    expected_fp8, expected_scale = fp8.quantize_rows(normed)
+    assert torch.equal(x_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
+    assert torch.equal(scale, expected_scale) and torch.equal(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantize_is_quantize_rows_of_rms_norm(ops, dtype, with_residual):
+    x, residual, norm_weight, _, _, _ = fp8_inputs(FP8_GEMV_MAX_ROWS + 4, 40, 72, dtype)
+    assert_rms_norm_quantize_is_quantized_rms_norm(x, residual if with_residual else None, norm_weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,6 +135,14 @@ def test_gpu_fp8_linear(rows):
     # The row quantizer's scale division and the reference's may differ by one unit, moving a value
     # on an fp8 rounding boundary to its neighbour: on the H200 8 of 4M outputs (1000 rows).
     assert_rare_fp8_flips(triton_ops.linear(x, weight, scale), reference.linear(x, weight, scale))
+
+
+@gpu
+@pytest.mark.parametrize("width", [4096, 14336])
+def test_gpu_rms_norm_quantize_is_quantize_rows_of_rms_norm(width):
+    x, residual, norm_weight, _, _, _ = fp8_inputs(fp8.FP8_GEMV_QUANTIZED_MAX_ROWS, 8, width, torch.bfloat16,
+                                                    device="cuda")
+    assert_rms_norm_quantize_is_quantized_rms_norm(x, residual, norm_weight)
 
 
 @gpu
