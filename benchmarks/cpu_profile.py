@@ -11,7 +11,9 @@ spin (libgomp's default) or sleep (``OMP_WAIT_POLICY=PASSIVE``; ``python -m engi
 
 ``steps``: the engine itself (the GGUF, fp32 unless --dtype/--quantization) under torch.profiler:
 a decode step at batch 1, 8 and 32 (contexts of --context tokens) and a prefill chunk of
---prefill tokens; one JSON line per step with its wall time and the top ops by self CPU time.
+--prefill tokens; one JSON line per step with its wall time, the host's part of a decode step (all
+but the model's forward and LM head: scheduler, block tables, inputs, sampler, frames) and the top
+ops by self CPU time.
 
     python benchmarks/cpu_profile.py matmul [--rows 1,8,32] [--rounds 15]
     python benchmarks/cpu_profile.py threads [--rows 1,8,32] [--rounds 5]
@@ -176,21 +178,37 @@ def bench_steps(args) -> None:
         while core.has_work():
             core.step()
 
+    # the model's own time (forward and LM head): the rest of a step is the host's (scheduler, block
+    # tables, inputs, sampler, frames)
+    model, in_model = core.runner.model, [0.0]
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                in_model[0] += time.perf_counter() - t0
+        return run
+
+    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
     for batch in args.batches:
         submit(batch, args.context, 2 * args.steps + 2)
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in core.live_sequences()):
             core.step()  # prefill, unprofiled
         core.step()
-        t0 = time.perf_counter()
+        in_model[0], t0 = 0.0, time.perf_counter()
         for _ in range(args.steps):
             core.step()
         wall = (time.perf_counter() - t0) / args.steps
+        host = wall - in_model[0] / args.steps
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
                 core.step()
         drain()
         emit(bench="cpu_profile", part="decode_step", batch=batch, context=args.context, dtype=args.dtype,
-             quantization=args.quantization, step_ms=round(wall * 1e3, 2), profiled_steps=args.steps,
+             quantization=args.quantization, step_ms=round(wall * 1e3, 2), host_ms=round(host * 1e3, 2),
+             host_share=round(host / wall, 3), profiled_steps=args.steps,
              top_ops=top_ops(prof, args.top), **env())
     submit(1, 16, 1)
     drain()

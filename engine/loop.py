@@ -23,7 +23,7 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.cpu import resident_bytes
+from engine.cpu import GOVERNOR_WINDOW_S, resident_bytes
 from engine.metrics import Metrics
 from engine.protocol import EngineStats, GenerateRequest, OutputFrame, ProtocolError
 from engine.warmup import warmup
@@ -164,13 +164,17 @@ class EngineLoop:
 
     def _serve(self, core: EngineCore) -> None:
         stats_at = time.perf_counter()
+        # idle, a CPU engine's thread governor still measures the box, a window at a time
+        idle_wait = GOVERNOR_WINDOW_S if core.thread_governor is not None else None
         while True:
             frames: list[OutputFrame] = []
             block = not core.has_work()
             while True:
                 try:
-                    command = self._inbox.get(block=block)
+                    command = self._inbox.get(block=block, timeout=idle_wait if block else None)
                 except queue.Empty:
+                    if block:
+                        core.thread_governor.tick()
                     break
                 block = False
                 if isinstance(command, Stop) or self.failed is not None:

@@ -156,14 +156,6 @@ def test_governor_gives_a_busy_core_back_and_takes_it_again_once_free(governed):
     assert window(2.0, 0.0) == 2 and torch.get_num_threads() == 2
 
 
-def test_governor_does_not_measure_an_idle_gap(governed):
-    governor, window = governed
-    assert window(1.0, 1.0) == 2  # half a decision
-    assert window(0.0, 1.5, seconds=10 * GOVERNOR_WINDOW_S) == 2  # an idle engine: the gap is skipped
-    assert window(2.0, 0.0) == 2  # and does not complete the decision with this quiet window
-    assert window(2.0, 0.0) == 2
-
-
 def test_governor_leaves_a_core_to_a_busy_process():
     """On this machine's /proc/stat: a busy-looping process takes a core from a governor that
     started with one thread per core (at least 2)."""

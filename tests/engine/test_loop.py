@@ -1,11 +1,16 @@
 """EngineLoop's outbox: first tokens and ends go at once, other frames wait for the event loop's share,
-a failure delivers what the steps before it produced first. A fake clock and event loop; no thread."""
+a failure delivers what the steps before it produced first (a fake clock and event loop; no thread).
+And an idle loop's thread governor ticks (a real thread over a fake core)."""
+
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 import engine.loop as loop_module
 from engine.config import EngineConfig
-from engine.loop import DELIVERY_LOOP_SHARE, DELIVERY_MAX_WAIT_S, EngineLoop
+from engine.loop import DELIVERY_LOOP_SHARE, DELIVERY_MAX_WAIT_S, EngineLoop, Stop
 from engine.metrics import Metrics
 from engine.protocol import OutputFrame
 
@@ -112,3 +117,19 @@ def test_a_failure_delivers_the_pending_frames_first(setup):
     engine.fail(error)
     event_loop.run_soon()
     assert delivered[-1][0].token_ids == [2] and failures == [error]
+
+
+@pytest.mark.parametrize("governed", [True, False])
+def test_an_idle_loop_ticks_its_thread_governor(monkeypatch, governed):
+    monkeypatch.setattr(loop_module, "GOVERNOR_WINDOW_S", 0.01)
+    ticks = []
+    governor = SimpleNamespace(tick=lambda: ticks.append(time.monotonic())) if governed else None
+    core = SimpleNamespace(thread_governor=governor, has_work=lambda: False, stats=lambda: None)
+    engine = EngineLoop(lambda: None, Metrics("tiny"), EngineConfig(model="tiny", load_format="dummy"))
+    serving = threading.Thread(target=engine._serve, args=(core,))
+    serving.start()
+    time.sleep(0.3)
+    engine._inbox.put(Stop())
+    serving.join(5)
+    assert not serving.is_alive()
+    assert len(ticks) >= 5 if governed else ticks == []
