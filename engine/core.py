@@ -146,9 +146,9 @@ class EngineCore:
         self.counters = EngineCounters()
         # a CPU engine's spinning OpenMP workers leave the cores other processes keep busy
         # (a tensor-parallel rank's threads are set by its launcher)
-        self.thread_governor = (ThreadGovernor(torch.get_num_threads())
-                        if self.device.type == "cpu" and config.tensor_parallel_size == 1
-                        and torch.get_num_threads() > 1 and workers_spin() else None)
+        governed = (self.device.type == "cpu" and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1
+                    and workers_spin())
+        self.thread_governor = ThreadGovernor(torch.get_num_threads()) if governed else None
         # KV bytes by group for a context of max_model_len tokens: a window group holds its window only
         self.kv_group_windows = layout.group_windows
         group_blocks = layout.group_blocks(self.max_model_len, config.block_size)

@@ -68,14 +68,16 @@ class ThreadGovernor:
 
     A worker that spins at a barrier while another process holds the core its partner runs on
     stalls every parallel region: beside one CPU-bound process, a 2-thread engine decoded SmolLM2 at
-    1.9 tok/s instead of 29.4 (one thread: 17.8). So every ``GOVERNOR_WINDOW_S`` of stepping the
-    engine counts the cores other processes kept busy (its CPUs' busy time from /proc/stat minus
-    its own CPU time) and runs its ops on the cores left, rounded, between 1 and the threads it
-    started with; a change takes two windows that agree. Two engines on one box settle on a share
-    each. :meth:`tick` runs on the thread that runs the ops (torch's thread count is per thread),
-    each step and, in a served engine, each window while idle: a request that arrives while
-    another process keeps a core busy finds the threads already sized (right after a vLLM CPU
-    server's burst on the same cores, SmolLM2's first token took 1.0 s, and 0.15-0.23 s so).
+    1.9 tok/s instead of 29.4 (one thread: 17.8). So every ``GOVERNOR_WINDOW_S`` the engine counts
+    the cores other processes kept busy (its CPUs' busy time from /proc/stat minus its own CPU
+    time) and runs its ops on the cores left, rounded, between 1 and the threads it started with;
+    a change takes two windows that agree. The CPUs are those of the process's affinity: a cgroup
+    CPU quota is not seen.
+
+    :meth:`tick` runs on the thread that runs the ops (torch's thread count is per thread), each
+    step and, in a served engine, each window while idle: a request that arrives while another
+    process keeps a core busy finds the threads already sized (right after a vLLM CPU server's
+    burst on the same cores, SmolLM2's first token took 1.0 s, and 0.15-0.23 s so).
     """
 
     def __init__(self, max_threads: int) -> None:

@@ -89,13 +89,20 @@ def test_first_tokens_go_at_once_later_frames_wait_for_the_loops_share(setup):
     assert [[f.token_ids for f in d] for d in delivered[2:]] == [[[4], [4]]] and len(event_loop.later) == 0
 
 
-def test_the_wait_is_bounded_and_an_idle_loop_delivers_at_once(setup):
-    engine, clock, event_loop, delivered, _ = setup
+def hold_a_second_token(setup, loop_cpu: float) -> None:
+    """a's first token goes at once; its second, posted after the event loop spent ``loop_cpu``
+    seconds, waits."""
+    engine, clock, event_loop, _, _ = setup
     engine._post([frame("a", 1)])
     event_loop.run_soon()
-    clock.cpu += 1.0
+    clock.cpu += loop_cpu
     engine._post([frame("a", 2)])
     event_loop.run_soon()
+
+
+def test_the_wait_is_bounded_and_an_idle_loop_delivers_at_once(setup):
+    engine, clock, event_loop, delivered, _ = setup
+    hold_a_second_token(setup, 1.0)
     assert event_loop.later[0][0] == DELIVERY_MAX_WAIT_S
     event_loop.later.clear()
     engine._outbox.clear()
@@ -106,12 +113,8 @@ def test_the_wait_is_bounded_and_an_idle_loop_delivers_at_once(setup):
 
 
 def test_a_failure_delivers_the_pending_frames_first(setup):
-    engine, clock, event_loop, delivered, failures = setup
-    engine._post([frame("a", 1)])
-    event_loop.run_soon()
-    clock.cpu += 0.001
-    engine._post([frame("a", 2)])
-    event_loop.run_soon()
+    engine, _, event_loop, delivered, failures = setup
+    hold_a_second_token(setup, 0.001)
     assert len(event_loop.later) == 1
     error = RuntimeError("step failed")
     engine.fail(error)
