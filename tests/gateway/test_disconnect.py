@@ -71,18 +71,20 @@ async def test_disconnect_soak_leaks_no_block(gateway, dummy_engine):
     that stays ends whole, the engine ends idle with every block free and its integrity check passes."""
     wait_for(dummy_engine, idle=True)
     headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
-    body = {**LONG, "max_tokens": 60, "stream": True}
+    body = {**LONG, "max_tokens": 60, "stream": True, "stream_options": {"include_usage": True}}
     gate = asyncio.Semaphore(12)
 
     async def one(client: httpx.AsyncClient, i: int) -> str:
         async with gate, client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
-            chunks = 0
+            chunks, tokens = 0, 0
             async for line in resp.aiter_lines():
-                chunks += line.startswith("data: {")
+                if line.startswith("data: {"):
+                    chunks += 1
+                    tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", tokens)
                 if i % 3 == 0 and chunks == 3:
                     return "dropped"  # leaving the block closes the connection mid-stream
-                if line == "data: [DONE]":
-                    return "whole" if chunks >= body["max_tokens"] else f"short:{chunks}"
+                if line == "data: [DONE]":  # a chunk may carry several tokens: the usage counts them
+                    return "whole" if tokens == body["max_tokens"] else f"short:{tokens}"
         return "cut"
 
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:

@@ -5,6 +5,7 @@ benchmarks/loop_stall.py.)"""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 
@@ -32,12 +33,13 @@ def big_chat() -> dict:
 
 def test_six_mb_prompts_are_refused_before_rendering_while_a_stream_goes_on(roomy_gateway):
     rss = psutil.Process(roomy_gateway.proc.pid).memory_info().rss
-    tokens = []
+    chunks = []
 
     def stream() -> None:
-        body = {"prompt": "a stream", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"prompt": "a stream", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         with httpx.stream("POST", roomy_gateway.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
-            tokens.extend(line for line in r.iter_lines() if line.startswith("data: {"))
+            chunks.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
 
     reader = threading.Thread(target=stream)
     reader.start()
@@ -49,7 +51,7 @@ def test_six_mb_prompts_are_refused_before_rendering_while_a_stream_goes_on(room
             assert error["param"] == "messages" and "more than the model's context" in error["message"]
             assert client.get("/health").status_code == 200
     reader.join(120)
-    assert len(tokens) == 300  # the stream was served whole alongside
+    assert chunks[-1]["usage"]["completion_tokens"] == 300  # the stream was served whole alongside
     assert psutil.Process(roomy_gateway.proc.pid).memory_info().rss - rss < 100 * 1024 * 1024
     assert "Traceback" not in roomy_gateway.log_path.read_text()
 
