@@ -6,8 +6,9 @@ that its op set calls instead of ``F.linear``.
   decode), where ``x @ Wt`` streams the weights 1.3-1.5x as fast as ``F.linear`` on the same
   cores; more rows go through a oneDNN-packed copy, 1.4-2x ``F.linear``'s speed at 8-2048 rows
   (``benchmarks/cpu_profile.py matmul``). Exact to rounding: fp32 products of the same weights.
-  The copies cost twice the weights' memory (the original stays: loaders, transforms and the HF
-  twin read it).
+  A projection's own weight then lives in its transposed copy (a transposed view: the values
+  loaders, transforms and the HF twin read), so the weights take twice their memory, not three
+  times; the tied embedding keeps its table (lookups read its rows).
 - int8 (``quantize_int8``): weight-only int8 with one scale per output channel (row absolute
   maximum / 127), multiplied by torch's int8 weight-pack kernel over bf16 activations (its fast
   path); the LM head too (the tied embedding keeps its table). Norms, attention and the residual
@@ -97,10 +98,14 @@ def _use_cpu_ops(model: CausalLM) -> None:
 
 @torch.no_grad()
 def transpose_weights(model: CausalLM) -> CausalLM:
-    """Give every fp32 projection and the LM head its transposed and packed copies."""
+    """Give every fp32 projection and the LM head its transposed and packed copies; a weight but
+    the embedding table becomes a view of its transposed copy."""
+    table = model.model.embed_tokens.weight
     for weight in (*(m.weight for m in model.projections()), _head(model)):
         if not hasattr(weight, "cpu_matmul"):
             weight.cpu_matmul = Fp32Matmul(weight)
+            if weight is not table:
+                weight.data = weight.cpu_matmul.transposed.t()
     _use_cpu_ops(model)
     return model
 
