@@ -24,10 +24,11 @@ torch wheel), and ``llama-cpp-python[server]`` built from source once (CMAKE_ARG
 
 ``kvgate-sleeping`` is kvgate with sleeping OpenMP workers (``OMP_WAIT_POLICY=PASSIVE``, the
 engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping processes running
-through the workloads, a box shared with other work.
+through the workloads, a box shared with other work; ``--engines N`` puts N engines behind each
+kvgate gateway, on the same cores.
 
     python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-sleeping]
-                                   [--requests 64] [--hogs 0]
+                                   [--requests 64] [--hogs 0] [--engines 1]
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ class Server:
 def servers(args, gguf: Path) -> dict[str, Server]:
     py = sys.executable
     # no load shedding: the workloads queue more than the default 20 s of work on a loaded 2-core box
-    kvgate = [py, "-m", "gateway", "serve", "--port", "{port}", "--spawn-engines", "1", "--model", str(gguf),
-              "--log-level", "WARNING", "--max-queue-seconds", "3600"]
+    kvgate = [py, "-m", "gateway", "serve", "--port", "{port}", "--spawn-engines", str(args.engines),
+              "--model", str(gguf), "--log-level", "WARNING", "--max-queue-seconds", "3600"]
     made: dict[str, Server] = {
         "kvgate": Server("kvgate", "fp32", kvgate, extra={"ignore_eos": True}),
         # the engine as it was before its OpenMP workers spun (engine.cpu.ThreadGovernor): they sleep
@@ -328,6 +329,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvgate-peers")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--engines", type=int, default=1, help="engines behind each kvgate gateway, on the same cores")
     parser.add_argument("--hogs", type=int, default=0,
                         help="busy-looping processes kept running through the workloads (a shared box)")
     args = parser.parse_args()
@@ -362,7 +364,7 @@ def main() -> None:
                     results.setdefault((name, server.name), []).append(record[METRIC[name]])
                     emit(bench="cpu_peers", workload=name, server=server.name, precision=server.precision,
                          round=round_, load_avg_1m_before=before, load_avg_1m_after=after, hogs=args.hogs,
-                         **record)
+                         engines=args.engines, **record)
     finally:
         for hog in hogs:
             hog.kill()
@@ -377,7 +379,7 @@ def main() -> None:
              medians=medians, runs={s: results[(name, s)] for s in medians}, **ratios,
              precision={s: peers[s].precision for s in medians}, load_avg_1m_min=min(loads),
              load_avg_1m_max=max(loads), cores=os.cpu_count(), rounds=args.rounds, requests=args.requests,
-             decode_tokens=args.decode_tokens, conversations=args.conversations, hogs=args.hogs)
+             decode_tokens=args.decode_tokens, conversations=args.conversations, hogs=args.hogs, engines=args.engines)
 
 
 if __name__ == "__main__":
