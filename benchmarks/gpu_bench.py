@@ -876,11 +876,9 @@ class Sidecar:
     measured through the gateway's own client (gateway/engine_client.py) on one pooled transport."""
 
     def __init__(self, model: str, device: str, settings: dict, log_level: str = "WARNING"):
-        import socket
+        from gateway.spawn import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
