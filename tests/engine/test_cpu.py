@@ -1,6 +1,6 @@
 """The CPU engine's matmul paths (engine.models.cpu) and host (engine.cpu): the transposed fp32
-layout against F.linear and the unmodified model, int8 weights against their dequantized values
-and the fp32 engine's greedy tokens, the lazily committed KV pool, the thread governor."""
+layout against F.linear and the unmodified model, int8 and int4 weights against their dequantized
+values and the fp32 engine's greedy tokens, the lazily committed KV pool, the thread governor."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
-from engine.models.cpu import CpuOps, Fp32Matmul, Int8, is_int8, quantize_int8, transpose_weights
+from engine.models.cpu import INT4_GROUP, CpuOps, Fp32Matmul, Int4, Int8, quantize, quantized_as, transpose_weights
 from engine.models.fp8 import quantize_fp8
 
 
@@ -50,6 +50,25 @@ def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype):
     torch.testing.assert_close(out.float(), x.bfloat16().float() @ dequantized.T, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matmul_is_the_product_of_its_dequantized_weights(dtype):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 128, generator=g) * torch.rand(96, 4, 1, generator=g).repeat_interleave(32, 1)[..., 0]
+    x = torch.randn(5, 128, generator=g).to(dtype)
+    matmul = Int4(weight)
+    # the weights it multiplies by: its product with the identity (rounded to bf16)
+    dequantized = matmul(torch.eye(128)).float().T
+    groups = weight.reshape(96, 4, INT4_GROUP)
+    half_step = ((groups.amax(-1) - groups.amin(-1)) / 30).repeat_interleave(INT4_GROUP, 1)
+    # each within half a step of its group (each group's own range), give or take bf16 rounding
+    assert ((dequantized - weight).abs() <= half_step * 1.05 + 0.01 * weight.abs()).all()
+    out = matmul(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), x.bfloat16().float() @ dequantized.T, atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4(torch.randn(8, 48))
+
+
 def test_transposed_model_gives_the_plain_models_logits(tiny):
     model, config = tiny
     transposed = transpose_weights(clone(model))
@@ -71,29 +90,42 @@ def test_fp8_over_the_cpu_op_set(tiny):
     assert torch.nn.functional.cosine_similarity(exact, PagedKV(config).step(fp8, prompt)).item() > 0.95
 
 
-def test_engine_applies_the_cpu_matmul_path(tiny):
+@pytest.mark.parametrize(("quantization", "weight_dtype", "least_cosine"), [
+    ("int8", torch.int8, 0.95), ("int4", torch.uint8, 0.75),  # int4: 0.84 measured (4 bits of random weights)
+])
+def test_engine_applies_the_cpu_matmul_path(tiny, quantization, weight_dtype, least_cosine):
     plain = EngineCore.from_model(EngineConfig(model="tiny"), clone(tiny[0]), tiny[1])
-    int8 = EngineCore.from_model(EngineConfig(model="tiny", quantization="int8"), clone(tiny[0]), tiny[1])
-    assert isinstance(plain.runner.model.ops, CpuOps) and not is_int8(plain.runner.model)
-    assert is_int8(int8.runner.model)
-    layer = int8.runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8 and layer.input_layernorm.weight.dtype == torch.float32
-    assert int8.runner.model.model.embed_tokens.weight.dtype == torch.float32  # the tied table (the head: a copy)
-    with pytest.raises(ValueError, match="quantization int8 runs on the CPU only"):
-        EngineConfig(model="tiny", quantization="int8", device="cuda")
+    quantized = EngineCore.from_model(EngineConfig(model="tiny", quantization=quantization), clone(tiny[0]), tiny[1])
+    assert isinstance(plain.runner.model.ops, CpuOps) and quantized_as(plain.runner.model) is None
+    assert quantized_as(quantized.runner.model) == quantization
+    layer = quantized.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == weight_dtype and layer.input_layernorm.weight.dtype == torch.float32
+    assert quantized.runner.model.model.embed_tokens.weight.dtype == torch.float32  # the tied table (the head: a copy)
+    # the quantized model's logits follow the plain one's on a short prompt
+    prompt = {0: list(range(5, 45))}
+    exact = PagedKV(tiny[1]).step(plain.runner.model, prompt)
+    approx = PagedKV(tiny[1]).step(quantized.runner.model, prompt)
+    assert torch.nn.functional.cosine_similarity(exact, approx).item() > least_cosine
+    with pytest.raises(ValueError, match=f"quantization {quantization} runs on the CPU only"):
+        EngineConfig(model="tiny", quantization=quantization, device="cuda")
 
 
 @pytest.mark.slow
-def test_int8_weights_greedy_agreement_on_smollm2(smollm2):
+@pytest.mark.parametrize(("quantization", "least_agreement", "most_dlogprob"), [
+    # Measured 0.470 (mean |dlogprob| 0.047; benchmarks/results/accuracy_smollm2_cpu.jsonl), most of it the bf16
+    # activations (bf16 weights and activations: 0.645); broken scales fall far below.
+    ("int8", 0.35, 0.1),
+    # Measured MEASURE_INT4 (accuracy_smollm2_int4_cpu.jsonl): the GGUF's Q4_1 weights regrouped, bf16 activations
+    ("int4", 0.2, 0.2),
+])
+def test_quantized_weights_greedy_agreement_on_smollm2(smollm2, quantization, least_agreement, most_dlogprob):
     prompts = smollm2_prompts()
     fp32 = generate(EngineCore.from_model(EngineConfig(model="smollm2"), clone(smollm2[0]), smollm2[1]), prompts, 32)
-    model = quantize_int8(clone(smollm2[0]))
-    result = agreement(fp32, generate(EngineCore.from_model(EngineConfig(model="smollm2", quantization="int8"),
+    model = quantize(clone(smollm2[0]), quantization)
+    result = agreement(fp32, generate(EngineCore.from_model(EngineConfig(model="smollm2", quantization=quantization),
                                                             model, smollm2[1]), prompts, 32))
-    print("int8 weights vs fp32 weights on SmolLM2:", result.record())
-    # Measured 0.470 (mean |dlogprob| 0.047; benchmarks/results/accuracy_smollm2_cpu.jsonl), most of it
-    # the bf16 activations (bf16 weights and activations: 0.645); broken scales fall far below.
-    assert result.agreement >= 0.35 and result.mean_abs_dlogprob <= 0.1
+    print(f"{quantization} weights vs fp32 weights on SmolLM2:", result.record())
+    assert result.agreement >= least_agreement and result.mean_abs_dlogprob <= most_dlogprob
 
 
 def test_lazy_kv_pages_are_zero_and_cost_memory_only_once_written():
