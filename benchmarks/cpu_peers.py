@@ -29,7 +29,7 @@ engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping 
 through the workloads, a box shared with other work; ``--engines N`` puts N engines behind each
 kvgate gateway, on the same cores.
 
-    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-sleeping]
+    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-int4,kvgate-sleeping]
                                    [--requests 64] [--hogs 0] [--engines 1]
 """
 
@@ -197,6 +197,9 @@ def servers(args, gguf: Path) -> dict[str, Server]:
                                   extra={"ignore_eos": True}),
         "kvgate-int8": Server("kvgate-int8", "int8 weights, bf16 activations",
                               [*kvgate, "--engine-args", "--quantization int8"], extra={"ignore_eos": True},
+                              workloads=("decode_b1", "prefill_2k")),
+        "kvgate-int4": Server("kvgate-int4", "int4 weights (groups of 32, scale and minimum), bf16 activations",
+                              [*kvgate, "--engine-args", "--quantization int4"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
     }
     if "vllm" in args.servers:

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import DUMMY_CONFIGS
-from engine.models.cpu import PACK_ROWS
+from engine.models.cpu import PACK_ROWS, Int4
 from loadtest.stamp import emit
 
 
@@ -77,6 +77,7 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
     bf16 = [w.bfloat16() for w in weights]
     int8 = [int8_rows(w) for w in weights]
     int8_bf16 = [(q, s.bfloat16()) for q, s in int8]
+    int4 = [Int4(w) for w in weights]
     return {
         "fp32 F.linear": (lambda: [F.linear(xs[w.shape[1]], w) for w in weights], fp32_bytes),
         "fp32 x @ Wt": (lambda: [xs[w.shape[0]] @ w for w in transposed], fp32_bytes),
@@ -90,6 +91,8 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
             fp32_bytes // 4),
         "int8 _weight_int8pack_mm (fp32 x)": (
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
+        "int4 _weight_int4pack_mm_for_cpu (bf16 x)": (
+            lambda: [m(xs_bf16[m.weight.shape[1] * 2]) for m in int4], fp32_bytes // 8),
     }
 
 
@@ -97,8 +100,6 @@ def bench_matmul(args) -> None:
     weights = model_weights()
     for rows in args.rows:
         paths = matmul_paths(weights, rows)
-        if args.paths:
-            paths = {name: paths[name] for name in args.paths}
         if args.paths:
             paths = {name: paths[name] for name in args.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}

@@ -362,7 +362,7 @@ class EngineConfig:
                 "larger ones quantize them with per-token scales; int8 (CPU only) = int8 weights with "
                 "per-output-channel scales (the LM head too) over bf16 activations; int4 (CPU only) = 4-bit weights "
                 "in groups of 32 input columns, each over a scale and a minimum (a GGUF Q4_1 block's form; the "
-                "LM head too), over bf16 activations",
+                "LM head in int8), over bf16 activations",
         choices=QUANTIZATIONS)
     block_size: int = _flag(16, "tokens per KV block")
     max_num_seqs: int = _flag(64, "most sequences in one step")
