@@ -1,5 +1,5 @@
 """Greedy agreement of an engine variant (FP8 KV cache, FP8 weights; on the CPU also bf16 weights
-and KV, and int8 weights) with its fp32, unquantized peer, the same weights in both.
+and KV, int8 and int4 weights) with its fp32, unquantized peer, the same weights in both.
 
 Both engines generate greedily from the same prompts, with logprobs. Per prompt, the tokens agree
 up to the first divergence; ``agreement`` is the agreed tokens over all generated tokens (a

@@ -35,6 +35,12 @@ TRANSPOSED_MAX_ROWS = 1
 # product is 1.5-2x F.linear's speed at 8-256 rows whichever of 1, 64 or the exact count it was packed for).
 PACK_ROWS = 64
 INT4_GROUP = 32  # input columns per int4 scale and minimum (a GGUF Q4_0/Q4_1 block)
+# Where the CPU multiplies bf16 natively (AVX512-BF16, AMX), quantized products of many rows widen the
+# weights to bf16 on the way, for torch's bf16 matmul (oneDNN): at 512 rows of SmolLM2's gate_up (one
+# thread, a Xeon with AMX) int8 2.7 ms against its weight-pack kernel's 23, int4 6.7 against 21 (the
+# unpacking costs more); fp32's oneDNN-packed product takes 15. The crossings, measured the same way:
+# int8 from 16 rows, int4 from 128. Fewer rows read the packed weights (a decode step: the weights' bytes).
+NATIVE_BF16 = bool(torch.cpu.get_capabilities().get("avx512_bf16", False))
 
 
 class Fp32Matmul:
@@ -58,6 +64,8 @@ class Fp32Matmul:
 class Int8:
     """``x @ w.T`` for int8 ``w [out, in]`` over per-output-channel ``scale``, in ``x``'s dtype."""
 
+    widen_min_rows = 16
+
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
@@ -65,6 +73,8 @@ class Int8:
         self.scale = scale.to(torch.bfloat16)  # the kernel takes scales in the activations' dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
+            return (F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scale).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scale)
         return out.to(x.dtype)
 
@@ -73,10 +83,13 @@ class Int4:
     """``x @ w.T`` for ``w [out, in]`` quantized to 4 bits in groups of ``INT4_GROUP`` input
     columns (each over its own scale and minimum), in ``x``'s dtype."""
 
+    widen_min_rows = 128
+
     def __init__(self, weight: torch.Tensor) -> None:
         out_features, in_features = weight.shape
-        if in_features % INT4_GROUP:
-            raise ValueError(f"int4 weights need in-features divisible by {INT4_GROUP}, got {in_features}")
+        if in_features % INT4_GROUP or out_features % 64:
+            raise ValueError(f"int4 weights need in-features divisible by {INT4_GROUP} and out-features by 64, "
+                             f"got {out_features} x {in_features}")
         groups = weight.float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
         low = groups.amin(-1)
         scale = ((groups.amax(-1) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
@@ -86,7 +99,19 @@ class Int4:
         # in the activations' dtype
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
 
+    def widened(self) -> torch.Tensor:
+        """The weights ``[out, in]`` in bf16, unpacked from the kernel's layout: blocks of 64 rows, in each
+        for every input column 32 bytes, byte ``j`` holding row ``j`` (low nibble) and ``j + 32`` (high)."""
+        groups, out_features = self.scales_and_zeros.shape[:2]
+        in_features = groups * INT4_GROUP
+        blocks = self.weight.view(out_features // 64, in_features, 32)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(out_features, groups, INT4_GROUP)
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, groups]
+        return ((q.to(torch.bfloat16) - 8) * scale[..., None] + zero[..., None]).view(out_features, in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
+            return F.linear(x.to(torch.bfloat16), self.widened()).to(x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.weight, INT4_GROUP,
                                                          self.scales_and_zeros)
         return out.to(x.dtype)

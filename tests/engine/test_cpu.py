@@ -20,7 +20,17 @@ from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
-from engine.models.cpu import INT4_GROUP, CpuOps, Fp32Matmul, Int4, Int8, quantize, quantized_as, transpose_weights
+from engine.models.cpu import (
+    INT4_GROUP,
+    NATIVE_BF16,
+    CpuOps,
+    Fp32Matmul,
+    Int4,
+    Int8,
+    quantize,
+    quantized_as,
+    transpose_weights,
+)
 from engine.models.fp8 import quantize_fp8
 
 
@@ -36,11 +46,13 @@ def test_fp32_matmul_is_f_linear(rows):
     torch.testing.assert_close(Fp32Matmul(weight)(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+# 5 rows read the packed weights, 300 the weights widened to bf16 (where the CPU has native bf16)
+@pytest.mark.parametrize("rows", [5, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype):
+def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype, rows):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=g) * torch.rand(96, 1, generator=g)  # rows of different ranges
-    x = torch.randn(5, 64, generator=g).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
     matmul = Int8(weight)
     assert matmul.weight.dtype == torch.int8 and matmul.weight.abs().max() == 127  # each row's maximum hits 127
     dequantized = matmul.weight.float() * matmul.scale.float()[:, None]
@@ -50,23 +62,30 @@ def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype):
     torch.testing.assert_close(out.float(), x.bfloat16().float() @ dequantized.T, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("rows", [5, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_matmul_is_the_product_of_its_dequantized_weights(dtype):
+def test_int4_matmul_is_the_product_of_its_dequantized_weights(dtype, rows):
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 128, generator=g) * torch.rand(96, 4, 1, generator=g).repeat_interleave(32, 1)[..., 0]
-    x = torch.randn(5, 128, generator=g).to(dtype)
+    weight = torch.randn(128, 128, generator=g) * torch.rand(128, 4, 1, generator=g).repeat_interleave(32, 1)[..., 0]
+    x = torch.randn(rows, 128, generator=g).to(dtype)
     matmul = Int4(weight)
-    # the weights it multiplies by: its product with the identity (rounded to bf16)
-    dequantized = matmul(torch.eye(128)).float().T
-    groups = weight.reshape(96, 4, INT4_GROUP)
+    # the weights the packed kernel multiplies by: its products with the identity's rows (rounded to bf16),
+    # fewer rows at a time than widen the weights
+    eye = torch.eye(128)
+    dequantized = torch.cat([matmul(eye[i : i + 16]) for i in range(0, 128, 16)]).float().T
+    torch.testing.assert_close(matmul.widened().float(), dequantized, atol=2e-3, rtol=1e-2)  # the unpacking
+    groups = weight.reshape(128, 4, INT4_GROUP)
     half_step = ((groups.amax(-1) - groups.amin(-1)) / 30).repeat_interleave(INT4_GROUP, 1)
     # each within half a step of its group (each group's own range), give or take bf16 rounding
     assert ((dequantized - weight).abs() <= half_step * 1.05 + 0.01 * weight.abs()).all()
     out = matmul(x)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), x.bfloat16().float() @ dequantized.T, atol=0.05, rtol=0.02)
+    # the widened weights are rounded to bf16 (the packed kernel's are not), and so is each product (outputs
+    # here reach 35)
+    used = matmul.widened().float() if NATIVE_BF16 and rows >= Int4.widen_min_rows else dequantized
+    torch.testing.assert_close(out.float(), x.bfloat16().float() @ used.T, atol=0.05, rtol=0.01)
     with pytest.raises(ValueError, match="divisible by 32"):
-        Int4(torch.randn(8, 48))
+        Int4(torch.randn(64, 48))
 
 
 def test_transposed_model_gives_the_plain_models_logits(tiny):
