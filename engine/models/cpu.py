@@ -67,7 +67,7 @@ class Int8:
     widen_min_rows = 16
 
     def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.float()
+        w = weight.float().contiguous()  # (a transposed layout's weight is a transposed view; the kernel reads rows)
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         self.weight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scale = scale.to(torch.bfloat16)  # the kernel takes scales in the activations' dtype
