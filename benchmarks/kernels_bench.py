@@ -33,7 +33,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.fp8 import quantize_weight
-from kernels import reference, triton_ops
+from kernels import FP8_GEMV_MAX_ROWS, reference, triton_ops
 from kernels.triton_ops import attention, fused_decode, gemv
 from kernels.triton_ops import fp8 as fp8_ops
 from loadtest.stamp import emit
@@ -576,19 +576,20 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int, context: int, 
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
-# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor cores)
-FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
-                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (False, 32, 256, 4, 4, 4),
-                  (False, 64, 256, 4, 3, 2)]
-# ... and at each of --fp8-sweep-rows (the tensor cores), by the engine's path (norm_linear, gated
+# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep at one
+# row and at each of --fp8-sweep-rows up to FP8_GEMV_MAX_ROWS (a step is x's quantization group)
+FP8_GEMV_SWEEP = [
+    (64, 128, 4, 4, 2), (64, 128, 4, 6, 2), (64, 128, 4, 4, 4), (128, 128, 4, 4, 1), (128, 128, 4, 4, 2),
+    (128, 128, 4, 6, 2), (128, 128, 8, 4, 2), (256, 128, 8, 4, 1), (256, 128, 8, 3, 2),
+]
+# ... and at each of the larger --fp8-sweep-rows, by the engine's path (norm_linear, gated
 # gate_up); a tile the multiprocessor cannot hold is reported as such
 FP8_ROWS_SWEEP = [
-    (False, 32, 256, 4, 4, 4), (False, 32, 256, 4, 4, 8), (False, 64, 128, 4, 4, 2), (False, 64, 256, 4, 3, 2),
-    (False, 64, 256, 4, 4, 1), (False, 64, 256, 4, 4, 2), (False, 64, 256, 4, 4, 4), (False, 64, 256, 8, 4, 2),
-    (False, 64, 512, 4, 3, 2), (False, 64, 512, 8, 3, 2), (False, 128, 128, 4, 4, 1), (False, 128, 128, 4, 4, 2),
-    (False, 128, 128, 4, 4, 4), (False, 128, 128, 8, 4, 2), (False, 128, 256, 4, 3, 2), (False, 128, 256, 8, 3, 1),
-    (False, 128, 256, 8, 3, 2), (False, 128, 256, 8, 4, 2), (False, 256, 128, 8, 3, 2),
+    (32, 256, 4, 4, 4), (32, 256, 4, 4, 8), (64, 128, 4, 4, 2), (64, 256, 4, 3, 2),
+    (64, 256, 4, 4, 1), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 256, 8, 4, 2),
+    (64, 512, 4, 3, 2), (64, 512, 8, 3, 2), (128, 128, 4, 4, 1), (128, 128, 4, 4, 2),
+    (128, 128, 4, 4, 4), (128, 128, 8, 4, 2), (128, 256, 4, 3, 2), (128, 256, 8, 3, 1),
+    (128, 256, 8, 3, 2), (128, 256, 8, 4, 2), (256, 128, 8, 3, 2),
 ]
 FP8_SWEEP_ROWS = (16, 64)
 FP8_REPLAYS = 100
@@ -656,7 +657,7 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int,
     for rows in sweep_rows:
         for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows).items():
             roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
-            for alt in FP8_ROWS_SWEEP:
+            for alt in FP8_GEMV_SWEEP if rows <= FP8_GEMV_MAX_ROWS else FP8_ROWS_SWEEP:
                 try:
                     alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), rows, fp8_fn), layers,
                                                FP8_REPLAYS)

@@ -1,7 +1,6 @@
 """FP8 (E4M3): the saturating cast, per-row activation quantization, ``linear`` with fp8 weights
-for decode batches (``fp8_gemv``: the weights streamed once, by FMAs on the CUDA cores for one row
-or through the tensor cores for up to 64 rows) and for larger ones (``scaled_linear``:
-torch._scaled_mm)."""
+for decode batches (``fp8_gemv``: the weights streamed once through the tensor cores in fp8 x fp8,
+up to 64 rows) and for larger ones (``scaled_linear``: torch._scaled_mm)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import FP8_GEMV_MAX_ROWS
+from kernels import FP8_GEMV_MAX_ROWS, FP8_X_GROUP
 from kernels.triton_ops._checks import _INTERPRETED, _check, _check_devices, _check_last_dim_contiguous
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
 from kernels.triton_ops.norm_rope import _MAX_ROW_WIDTH
@@ -172,103 +171,89 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 class Fp8GemvTiles(NamedTuple):
-    cuda_cores: bool  # one row only: FMAs on the CUDA cores; otherwise the tensor cores (rows padded to 16)
-    block_n: int  # weight rows (output columns) per program
-    block_k: int  # input features per step
+    block_n: int  # weight rows (output columns) per program: the tensor cores' M
+    block_k: int  # input features per step; up to FP8_GEMV_MAX_ROWS rows, x's quantization group
     num_warps: int
     num_stages: int
     programs_per_sm: int  # K is split until column blocks x splits reach this many per multiprocessor
 
 
-# The tensor cores take x's rows padded to their smallest N (tl.dot's 16); more rows take the next
-# power of two, up to FP8_GEMV_QUANTIZED_MAX_ROWS.
+# The tensor cores take x's rows as their N, padded to tl.dot's smallest (16); more rows take the
+# next power of two, up to FP8_GEMV_QUANTIZED_MAX_ROWS.
 _FP8_GEMV_MIN_BLOCK_M = 16
 # Rows past kernels.FP8_GEMV_MAX_ROWS (quantized per row, as for torch._scaled_mm) and up to this
-# many go through the tensor-core kernel with fp8 x; more go to torch._scaled_mm.
+# many go through the same kernel with x quantized beforehand; more go to torch._scaled_mm.
 FP8_GEMV_QUANTIZED_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
-_FP8_GEMV_MAX_NORM_BLOCK = 4096  # the one-row kernel's norm reads x in chunks of this many features
-_F16_MAX = tl.constexpr(65504.0)
-_DECODED_UNIT = tl.constexpr(2.0**120)  # what _decode_fp8_words leaves off
 
-# Tiles by the most rows they serve (1, FP8_GEMV_MAX_ROWS unquantized, FP8_GEMV_QUANTIZED_MAX_ROWS
-# quantized), then by weight shape (rows, in_features) where one differs: the fastest timed on the
-# H200 (kernels_bench.py --only fp8 --sweep; Llama 3 8B's projections). The interpreter gets small
-# tiles so that tiny test shapes cross tile boundaries and split K.
-_ROW_TILES = Fp8GemvTiles(cuda_cores=True, block_n=4, block_k=2048, num_warps=4, num_stages=1, programs_per_sm=2)
+# Tiles by the most rows they serve (1, FP8_GEMV_MAX_ROWS quantized in the kernel,
+# FP8_GEMV_QUANTIZED_MAX_ROWS quantized beforehand), then by weight shape (rows, in_features)
+# where one differs: the fastest timed on the H200 (kernels_bench.py --only fp8 --sweep; Llama 3
+# 8B's projections). Up to FP8_GEMV_MAX_ROWS rows a step is one quantization group of x
+# (block_k == FP8_X_GROUP). The interpreter gets narrow tiles so that tiny test shapes cross
+# column blocks and split K.
 FP8_GEMV_DEFAULT_TILES: dict[int, Fp8GemvTiles] = {
-    1: Fp8GemvTiles(True, 4, 32, 1, 1, 2) if _INTERPRETED else _ROW_TILES,
-    FP8_GEMV_MAX_ROWS: Fp8GemvTiles(False, 16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
-        cuda_cores=False, block_n=32, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4),
-    FP8_GEMV_QUANTIZED_MAX_ROWS: Fp8GemvTiles(False, 16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
-        cuda_cores=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=1),
+    1: Fp8GemvTiles(16, FP8_X_GROUP, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
+        block_n=128, block_k=FP8_X_GROUP, num_warps=4, num_stages=4, programs_per_sm=2),
+    FP8_GEMV_MAX_ROWS: Fp8GemvTiles(16, FP8_X_GROUP, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
+        block_n=64, block_k=FP8_X_GROUP, num_warps=4, num_stages=4, programs_per_sm=2),
+    FP8_GEMV_QUANTIZED_MAX_ROWS: Fp8GemvTiles(16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
+        block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=1),
 }
 FP8_GEMV_TILES: dict[tuple[int, int, int], Fp8GemvTiles] = {} if _INTERPRETED else {
-    (1, 4096, 4096): _ROW_TILES._replace(block_k=1024),  # o
-    (1, 4096, 14336): FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS],  # down: the tensor cores, as for more rows
     # gate_up, gated as norm_linear runs it (64 rows: 38.4 us; the plain product's fastest,
     # block_n=128, took 52.1 us gated)
     (FP8_GEMV_QUANTIZED_MAX_ROWS, 28672, 4096): Fp8GemvTiles(
-        cuda_cores=False, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
+        block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
-
-
-@triton.jit
-def _decode_fp8_words(words):
-    """The four fp8 (E4M3) values packed in little-endian int32 ``words`` (the lowest byte first),
-    as fp32 times 2^-120 exactly: each value's sign and seven exponent and mantissa bits moved to
-    fp32's places by two or three integer operations (E4M3's subnormals become fp32's). The
-    conversion instructions (E4M3 to fp16 to fp32, each byte extracted first) cost about twice
-    as many; the caller multiplies the sums by 2^120."""
-    bits = 0x07F00000  # the exponent and mantissa bits' places
-    sign = -0x80000000
-    w0 = ((words << 20) & bits) | ((words << 24) & sign)
-    w1 = ((words << 12) & bits) | ((words << 16) & sign)
-    w2 = ((words << 4) & bits) | ((words << 8) & sign)
-    w3 = ((words >> 4) & bits) | (words & sign)
-    return (w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True), w2.to(tl.float32, bitcast=True),
-            w3.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _dot_words(words, x0, x1, x2, x3):
-    """``[rows, segs, 4]`` fp8 words times x's features in the same places (x_j: byte j of each
-    word), summed over each thread's 16 weights: ``[rows, segs]`` in units of 2^-120."""
-    w0, w1, w2, w3 = _decode_fp8_words(words)
-    return tl.sum(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, 2)
 
 
 @triton.jit
 def _fp8_gemv_finish(
-    acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr, counters_ptr,
-    n_out, out_stride, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    acc, acc_up, x_scale, sum_sq, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr, counters_ptr,
+    n_out, k_in, eps, out_stride, HAS_NORM: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """Writes ``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales,
-    rounded to the output dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded
-    pair, rounded. SPLIT: the program writes its partial sums and counts its arrival; the column
-    block's last merges the partials (in split order, so the result does not depend on the order
-    of arrival), writes the output and resets the counter for the next launch."""
+    """Writes ``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales
+    (HAS_NORM: the row's scale times its 1/rms, from the sums of squares ``sum_sq``), rounded to
+    the output dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded pair,
+    rounded. SPLIT: the program writes its partial sums (and its column block's sums of squares)
+    and counts its arrival; the column block's last merges the partials (in split order, so the
+    result does not depend on the order of arrival), writes the output and resets the counter for
+    the next launch."""
     if SPLIT:
         num_splits = tl.num_programs(1)
-        width = (2 if GATED else 1) * n_out
-        partial = partial_ptr + (split * width + n)[:, None].to(tl.int64) * BLOCK_M + m[None, :]
+        products = (2 if GATED else 1) * n_out
+        width = products + tl.num_programs(0)  # the products' partials, then each column block's squares
+        split_at = partial_ptr + split.to(tl.int64) * width * BLOCK_M
+        partial = split_at + n.to(tl.int64)[:, None] * BLOCK_M + m[None, :]
+        squares = split_at + (products + pid_n) * BLOCK_M + m
         mask = n_ok[:, None] & m_ok[None, :]
         tl.store(partial, acc, mask=mask)
         if GATED:
             tl.store(partial + n_out * BLOCK_M, acc_up, mask=mask)
+        if HAS_NORM:
+            tl.store(squares, sum_sq, mask=m_ok)
         counter = counters_ptr + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
             acc = tl.zeros_like(acc)
             acc_up = tl.zeros_like(acc_up)
+            sum_sq = tl.zeros_like(sum_sq)
             for s in range(0, num_splits):
-                at = partial + (s - split).to(tl.int64) * width * BLOCK_M
-                acc += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+                offset = (s - split).to(tl.int64) * width * BLOCK_M
+                acc += tl.load(partial + offset, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATED:
-                    acc_up += tl.load(at + n_out * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc_up += tl.load(partial + offset + n_out * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_NORM:
+                    sum_sq += tl.load(squares + offset, mask=m_ok, other=0.0, cache_modifier=".cg")
+            if HAS_NORM:
+                x_scale = x_scale / tl.sqrt(sum_sq / k_in + eps)
             _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride, GATED)
             tl.store(counter, 0)  # zeroed for the next launch, and for a CUDA graph's replay
     else:
+        if HAS_NORM:
+            x_scale = x_scale / tl.sqrt(sum_sq / k_in + eps)
         _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride, GATED)
 
 
@@ -286,103 +271,6 @@ def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr
 
 
 @triton.jit
-def _fp8_gemv_row_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr, partial_ptr, counters_ptr,
-    n_out, k_in, k_per_split, eps, w_stride,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Program (column block, K split) of one row: ``out[cols] = f(x) @ w[cols, ks]^T`` by FMAs in
-    fp32, f the optional residual add and RMSNorm (its 1/rms from a first pass over x, in chunks
-    of NORM_BLOCK), rounded to x's dtype as rms_norm returns it. A step's weight tile is
-    ``[BLOCK_N, BLOCK_K // 16, 4]`` int32 words: each thread loads 16 consecutive bytes of a row
-    at once, decodes them by bit operations (_decode_fp8_words) and sums their products in its
-    registers, so the sums kept take a register per 16 weights. The first tile is loaded before
-    waiting on the previous kernel: it does not depend on it. With a residual, one program per
-    NORM_BLOCK slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < n_out
-    segs: tl.constexpr = BLOCK_K // 16
-    word = tl.arange(0, segs)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [segs, 4], in words
-    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + n.to(tl.int64)[:, None, None] * (w_stride // 4)
-    up_rows = w_rows + n_out.to(tl.int64) * (w_stride // 4)
-    # features [segs, 4, 4]: the bytes of each word
-    feature = word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, k_in)
-    # k < k_in masks each split too (its steps end at its end); compared in words, k_in divisible by 16
-    # keeps 16-byte loads
-    words_in = k_in // 4
-    w_mask = n_ok[:, None, None] & (k_lo // 4 + word < words_in)[None, :, :]
-    w = tl.load(w_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    if GATED:
-        up = tl.load(up_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-    dtype = x_ptr.dtype.element_ty
-    rstd = 1.0
-    if HAS_NORM:
-        kn = tl.arange(0, NORM_BLOCK)
-        sum_sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-        for k_start in range(0, k_in, NORM_BLOCK):
-            kn_ok = k_start + kn < k_in
-            x = tl.load(x_ptr + k_start + kn, mask=kn_ok, other=0.0)
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + k_start + kn, mask=kn_ok, other=0.0)
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                if (split == 0) & ((k_start // NORM_BLOCK) % tl.num_programs(0) == pid_n):
-                    tl.store(residual_out_ptr + k_start + kn, x, mask=kn_ok)
-            xf = x.to(tl.float32)
-            sum_sq += xf * xf
-        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
-
-    acc = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
-    for k_start in range(k_lo, k_hi, BLOCK_K):
-        if k_start > k_lo:
-            w_mask = n_ok[:, None, None] & (k_start // 4 + word < words_in)[None, :, :]
-            w = tl.load(w_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            if GATED:
-                up = tl.load(up_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0,
-                             eviction_policy="evict_first")
-        k = k_start + feature
-        k_ok = k < k_in
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(residual_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-        if HAS_NORM:
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * rstd * norm_weight).to(dtype)
-        x_even, x_odd = tl.split(x.to(tl.float32).reshape(segs, 4, 2, 2))  # byte j = 2 * j1 + j0: j0 split first
-        x0, x2 = tl.split(x_even)
-        x1, x3 = tl.split(x_odd)
-        x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-        acc += _dot_words(w, x0, x1, x2, x3)
-        if GATED:
-            acc_up += _dot_words(up, x0, x1, x2, x3)
-    if USE_PDL:  # the next kernel may launch: only the sums, the merge and the stores remain
-        tl.extra.cuda.gdc_launch_dependents()
-
-    m = tl.arange(0, 1)
-    _fp8_gemv_finish((tl.sum(acc, 1) * _DECODED_UNIT)[:, None], (tl.sum(acc_up, 1) * _DECODED_UNIT)[:, None],
-                     tl.full([1], 1.0, dtype=tl.float32), pid_n, split, n, n_ok, m, m < 1, w_scale_ptr, out_ptr,
-                     partial_ptr, counters_ptr, n_out, 0, GATED, SPLIT, 1)
-
-
-@triton.jit
-def _fp8_gemv_x_tile(x_rows, residual_rows, k, mask, HAS_RESIDUAL: tl.constexpr):
-    """Features ``k`` of x's rows (+ the residual's, rounded to x's dtype as rms_norm adds them)."""
-    x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_rows + k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_rows.dtype.element_ty)
-    return x
-
-
-@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, x_scale_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr,
     partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split, eps, x_stride, residual_stride, w_stride,
@@ -391,13 +279,15 @@ def _fp8_gemv_kernel(
     DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ f(x[rows, ks])^T`` on the
-    tensor cores, the weight tile as their M (so the weights are read once for all rows),
-    accumulated in fp32. f: the optional residual add and RMSNorm (its 1/rms from a first pass
-    over the rows), rounded to x's dtype as rms_norm returns it, then to DOT_DTYPE (fp16 holds
-    bf16 exactly within ±65504; beyond it saturates); X_FP8: x already quantized per row, its
-    scales applied with the channels'. With a residual, one program per BLOCK_K slice writes
-    ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
+    """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ x[rows, ks]^T`` on the
+    tensor cores in fp8 (E4M3) x fp8, accumulated in fp32: the weight tile is their M ("swap AB"),
+    so the weights are read once for all rows and never converted. X_FP8: x comes quantized per
+    row, its scales applied with the channels'. Otherwise each step quantizes its BLOCK_K
+    features of each row (one group of FP8_X_GROUP) over the group's own scale and adds the
+    step's products times that scale: f(x), the optional residual add (rounded to x's dtype, as
+    rms_norm adds it) and RMSNorm's weight, then the row's 1/rms (from the sums of squares
+    gathered on the way) applied to the sums, so x is read once. With a residual, one program
+    per BLOCK_K slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -412,58 +302,53 @@ def _fp8_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, k_in, BLOCK_K):
-            k = k_start + kk
-            mask = m_ok[:, None] & (k < k_in)[None, :]
-            x = _fp8_gemv_x_tile(x_rows, residual_rows, k, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if (split == 0) & ((k_start // BLOCK_K) % tl.num_programs(0) == pid_n):
-                    tl.store(residual_out_ptr + m.to(tl.int64)[:, None] * k_in + k[None, :], x, mask=mask)
-            xf = x.to(tl.float32)
-            sum_sq += xf * xf
-        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 1) / k_in + eps)
-
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = split * k_per_split
     for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
         k = k_start + kk
         k_ok = k < k_in
-        x = _fp8_gemv_x_tile(x_rows, residual_rows, k, m_ok[:, None] & k_ok[None, :], HAS_RESIDUAL)
-        if HAS_NORM:
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * rstd[:, None] * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
-        if not X_FP8:
-            if DOT_DTYPE == tl.float16:
-                x = tl.clamp(x.to(tl.float32), -_F16_MAX, _F16_MAX)
-            x = x.to(DOT_DTYPE)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision="ieee")
         if GATED:
             up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(up.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc_up, input_precision="ieee")
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if X_FP8:
+            x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x), acc, input_precision="ieee")
+            if GATED:
+                acc_up = tl.dot(up.to(DOT_DTYPE), tl.trans(x), acc_up, input_precision="ieee")
+        else:
+            x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_rows + k[None, :], mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if (k_start // BLOCK_K) % tl.num_programs(0) == pid_n:
+                    tl.store(residual_out_ptr + m.to(tl.int64)[:, None] * k_in + k[None, :], x, mask=x_mask)
+            xf = x.to(tl.float32)
+            if HAS_NORM:
+                sum_sq += tl.sum(xf * xf, 1)
+                xf = xf * tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            group_scale = row_scale(tl.max(tl.abs(xf), 1))
+            xq = tl.trans(to_fp8(xf, group_scale[:, None]).to(DOT_DTYPE))
+            acc += tl.dot(w.to(DOT_DTYPE), xq, input_precision="ieee") * group_scale[None, :]
+            if GATED:
+                acc_up += tl.dot(up.to(DOT_DTYPE), xq, input_precision="ieee") * group_scale[None, :]
     if USE_PDL:  # the next kernel may launch: only the merge and the stores remain
         tl.extra.cuda.gdc_launch_dependents()
 
     x_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if X_FP8:
         x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
-    _fp8_gemv_finish(acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr,
-                     counters_ptr, n_out, out_stride, GATED, SPLIT, BLOCK_M)
+    _fp8_gemv_finish(acc, acc_up, x_scale, sum_sq, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr,
+                     counters_ptr, n_out, k_in, eps, out_stride, HAS_NORM, GATED, SPLIT, BLOCK_M)
 
 
 def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
-    """The tiles of ``fp8_gemv`` for ``rows`` of x. The CUDA-core kernel reads whole int32 words of
-    the weights: one row of a weight not made of whole words takes the tensor cores' tiles."""
+    """The tiles of ``fp8_gemv`` for ``rows`` of x."""
     most_rows = next(r for r in (1, FP8_GEMV_MAX_ROWS, FP8_GEMV_QUANTIZED_MAX_ROWS) if rows <= r)
-    tiles = FP8_GEMV_TILES.get((most_rows, *weight.shape), FP8_GEMV_DEFAULT_TILES[most_rows])
-    if tiles.cuda_cores and (weight.shape[1] % 4 or weight.stride(0) % 4):
-        return FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS]
-    return tiles
+    return FP8_GEMV_TILES.get((most_rows, *weight.shape), FP8_GEMV_DEFAULT_TILES[most_rows])
 
 
 def fp8_gemv(
@@ -472,11 +357,12 @@ def fp8_gemv(
     gated: bool = False, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, residual_out)`` of a decode batch (up to FP8_GEMV_QUANTIZED_MAX_ROWS rows) in one
-    launch: up to ``kernels.FP8_GEMV_MAX_ROWS`` rows unquantized (with the optional residual add
-    and RMSNorm fused in), more quantized per row first (no norm: ``norm_linear`` norms and
-    quantizes them by rms_norm_quantize, then passes fp8 ``x`` with its ``x_scale [rows, 1]`` and
-    ``out_dtype``). No host sync and a fixed-size scratch: it may be captured in a CUDA graph
-    once it has run eagerly on the device."""
+    launch: up to ``kernels.FP8_GEMV_MAX_ROWS`` rows quantized in the kernel by groups of
+    FP8_X_GROUP features (with the optional residual add and RMSNorm fused in); more rows come
+    quantized per row (no norm: ``norm_linear`` norms and quantizes them by rms_norm_quantize,
+    then passes fp8 ``x`` with its ``x_scale [rows, 1]`` and ``out_dtype``), or are quantized
+    here. No host sync and a fixed-size scratch: it may be captured in a CUDA graph once it has
+    run eagerly on the device."""
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
     _check_devices(x=x, weight=weight, weight_scale=weight_scale)
@@ -494,8 +380,9 @@ def fp8_gemv(
     if rows == 0:
         return out, residual_out
     tiles = fp8_gemv_tiles(weight, rows)
-    _check(not tiles.cuda_cores or rows == 1, f"the CUDA-core fp8 GEMV takes one row, got {rows}")
-    block_m = 1 if tiles.cuda_cores else max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
+    _check(x_fp8 or tiles.block_k == FP8_X_GROUP, f"up to {FP8_GEMV_MAX_ROWS} rows a step is x's quantization "
+           f"group of {FP8_X_GROUP} features, got tiles {tiles}")
+    block_m = max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
     n_blocks = triton.cdiv(n_out, tiles.block_n)
     k_steps = triton.cdiv(k_in, tiles.block_k)
     splits = max(1, min(round(tiles.programs_per_sm * _num_sms(x.device) / n_blocks), k_steps, _FP8_GEMV_MAX_SPLITS))
@@ -504,30 +391,19 @@ def fp8_gemv(
     partial = counters = out  # unused without split-K
     if splits > 1:
         counters = _arrival_counters(x.device, n_blocks, "fp8 linear")
-        partial = torch.empty((splits, (2 if gated else 1) * n_out, block_m), dtype=torch.float32, device=x.device)
-    unused = x  # a pointer argument the kernel's flags leave unread
-    residual_in = unused if residual is None else residual
-    norm_in = unused if norm_weight is None else norm_weight
-    flags = dict(HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, SPLIT=splits > 1,
-                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device), num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages)
-    if tiles.cuda_cores:
-        _fp8_gemv_row_kernel[(n_blocks, splits)](
-            x, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
-            n_out, k_in, k_per_split, eps, weight.stride(0),
-            NORM_BLOCK=min(_FP8_GEMV_MAX_NORM_BLOCK, triton.next_power_of_2(k_in)), **flags,
-        )
-        return out, residual_out
-    x_in = x
+        partial = torch.empty((splits, (2 if gated else 1) * n_out + n_blocks, block_m), dtype=torch.float32,
+                              device=x.device)
     if x_fp8 and not quantized:
-        x_in, x_scale = quantize_rows(x)
-    if _INTERPRETED or out.dtype == torch.float32:
-        dot_dtype = tl.float32
-    else:
-        dot_dtype = tl.float8e4nv if x_fp8 else tl.float16
+        x, x_scale = quantize_rows(x)
+    unused = x  # a pointer argument the kernel's flags leave unread
+    # The interpreter multiplies the fp8 values in fp32 (exact products; only the order of the sums differs).
     _fp8_gemv_kernel[(n_blocks, splits)](
-        x_in, x_scale, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
-        rows, n_out, k_in, k_per_split, eps, x_in.stride(0), 0 if residual is None else residual.stride(0),
-        weight.stride(0), out.stride(0), X_FP8=x_fp8, DOT_DTYPE=dot_dtype, BLOCK_M=block_m, **flags,
+        x, unused if x_scale is None else x_scale, unused if residual is None else residual,
+        unused if norm_weight is None else norm_weight, weight, weight_scale, out, residual_out, partial, counters,
+        rows, n_out, k_in, k_per_split, eps, x.stride(0), 0 if residual is None else residual.stride(0),
+        weight.stride(0), out.stride(0), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        GATED=gated, X_FP8=x_fp8, DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv, SPLIT=splits > 1,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, residual_out
