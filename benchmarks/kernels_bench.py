@@ -617,6 +617,11 @@ def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, rows: int, fn: Callable[..., obj
     return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", defaults, fn))
 
 
+def without_fp8_prefetch(fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` with fp8_gemv prefetching no weights into L2 before its PDL wait."""
+    return patched("_FP8_GEMV_PREFETCH_TILES", 0, fn)
+
+
 def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
     """name -> (bf16 call, fp8 call) by the engine's ops (norm_linear for qkv and gated gate_up);
     each call takes the layer index."""
@@ -643,9 +648,11 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int,
         roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
         bf16_us = graph_us_per_call(bf16_fn, layers, FP8_REPLAYS)
         fp8_us = graph_us_per_call(fp8_fn, layers, FP8_REPLAYS)
+        no_prefetch_us = graph_us_per_call(without_fp8_prefetch(fp8_fn), layers, FP8_REPLAYS)
         emit(bench="fp8_gemv", shape="llama3-8b", proj=name, rows=1,
              tiles=list(fp8_ops.fp8_gemv_tiles(fp8[0][name][0], 1)), bf16_us=round(bf16_us, 2),
-             fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
+             fp8_us=round(fp8_us, 2), fp8_no_prefetch_us=round(no_prefetch_us, 2),
+             fp8_roofline_us=round(roofline_us, 2),
              fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
         if sweep:
@@ -674,10 +681,11 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int,
         return run
 
     bf16_us, fp8_us = (graph_us_per_call(chain(kind), layers, FP8_REPLAYS) for kind in (0, 1))
+    no_prefetch_us = graph_us_per_call(without_fp8_prefetch(chain(1)), layers, FP8_REPLAYS)
     roofline_us = sum(w.numel() for w in fp8[0].values() for w in w[:1]) / bandwidth * 1e6
     emit(bench="fp8_gemv_layer_chain", shape="llama3-8b", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
-         fp8_roofline_us=round(roofline_us, 2), fp8_of_roofline=round(roofline_us / fp8_us, 3),
-         speedup=round(bf16_us / fp8_us, 3))
+         fp8_no_prefetch_us=round(no_prefetch_us, 2), fp8_roofline_us=round(roofline_us, 2),
+         fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3))
     head = torch.randn(LM_HEAD_ROWS, HIDDEN, dtype=DTYPE, device="cuda") / math.sqrt(HIDDEN)
     head_fp8 = quantize_weight(head)
     x = torch.randn(1, HIDDEN, dtype=DTYPE, device="cuda")

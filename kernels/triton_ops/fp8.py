@@ -185,6 +185,9 @@ _FP8_GEMV_MIN_BLOCK_M = 16
 # many go through the same kernel with x quantized beforehand; more go to torch._scaled_mm.
 FP8_GEMV_QUANTIZED_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
+# With PDL each program prefetches this many steps of its weight rows into L2 before it waits on
+# the previous kernel (0: none).
+_FP8_GEMV_PREFETCH_TILES = 4
 
 # Tiles by the most rows they serve (1, FP8_GEMV_MAX_ROWS quantized in the kernel,
 # FP8_GEMV_QUANTIZED_MAX_ROWS quantized beforehand), then by weight shape (rows, in_features)
@@ -206,6 +209,14 @@ FP8_GEMV_TILES: dict[tuple[int, int, int], Fp8GemvTiles] = {} if _INTERPRETED el
     (FP8_GEMV_QUANTIZED_MAX_ROWS, 28672, 4096): Fp8GemvTiles(
         block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
+
+
+@triton.jit
+def _prefetch_l2(rows, nbytes):
+    """Each of ``rows`` (pointers, 16-byte aligned) and the ``nbytes`` after it (a multiple of 16)
+    into L2, by the bulk copy engine; nothing waits on it."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -278,6 +289,7 @@ def _fp8_gemv_kernel(
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, X_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
 ):
     """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ x[rows, ks]^T`` on the
     tensor cores in fp8 (E4M3) x fp8, accumulated in fp32: the weight tile is their M ("swap AB"),
@@ -287,7 +299,9 @@ def _fp8_gemv_kernel(
     step's products times that scale: f(x), the optional residual add (rounded to x's dtype, as
     rms_norm adds it) and RMSNorm's weight, then the row's 1/rms (from the sums of squares
     gathered on the way) applied to the sums, so x is read once. With a residual, one program
-    per BLOCK_K slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
+    per BLOCK_K slice writes ``x + residual`` to ``residual_out``. With PDL, the program asks L2
+    for the first PREFETCH_K bytes of its weight rows (within its split) before it waits on the
+    previous kernel. See _fp8_gemv_finish for SPLIT."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -299,13 +313,19 @@ def _fp8_gemv_kernel(
     up_rows = w_rows + n_out.to(tl.int64) * w_stride
     x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
     residual_rows = residual_ptr + m.to(tl.int64)[:, None] * residual_stride
+    k_lo = split * k_per_split
     if USE_PDL:
+        if PREFETCH_K > 0:  # the first weight tiles stream into L2 while the previous kernel finishes
+            first = w_ptr + tl.minimum(n, n_out - 1).to(tl.int64) * w_stride + k_lo
+            nbytes = tl.full([BLOCK_N], tl.minimum(PREFETCH_K, tl.minimum(k_per_split, k_in - k_lo)), tl.int32)
+            _prefetch_l2(first, nbytes)
+            if GATED:
+                _prefetch_l2(first + n_out.to(tl.int64) * w_stride, nbytes)
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_lo = split * k_per_split
     for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
         k = k_start + kk
         k_ok = k < k_in
@@ -395,6 +415,9 @@ def fp8_gemv(
                               device=x.device)
     if x_fp8 and not quantized:
         x, x_scale = quantize_rows(x)
+    # the bulk prefetch takes 16-byte units at 16-byte aligned addresses
+    aligned = k_in % 16 == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
+    prefetch_k = _FP8_GEMV_PREFETCH_TILES * tiles.block_k if aligned else 0
     unused = x  # a pointer argument the kernel's flags leave unread
     # The interpreter multiplies the fp8 values in fp32 (exact products; only the order of the sums differs).
     _fp8_gemv_kernel[(n_blocks, splits)](
@@ -404,6 +427,6 @@ def fp8_gemv(
         weight.stride(0), out.stride(0), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         GATED=gated, X_FP8=x_fp8, DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv, SPLIT=splits > 1,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PREFETCH_K=prefetch_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, residual_out
