@@ -25,12 +25,6 @@ from typing import NamedTuple, Protocol
 import torch
 
 BACKENDS = ("torch", "triton")
-# fp8 ``linear`` of at most this many rows quantizes its activations by groups of FP8_X_GROUP
-# features of a row, each over its own scale, inside the GEMV (the tensor cores' smallest tile holds
-# 16 rows, so the weights are read once for all, and multiplied in fp8 without a conversion). More
-# rows are quantized per row.
-FP8_GEMV_MAX_ROWS = 16
-FP8_X_GROUP = 128
 
 
 class QKNorm(NamedTuple):
@@ -159,12 +153,9 @@ class KernelOps(Protocol):
         """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``.
 
         With ``weight_scale [out_features]`` fp32, ``weight`` is fp8 (E4M3) holding ``w / scale`` per
-        output channel. Up to ``FP8_GEMV_MAX_ROWS`` rows: each group of ``FP8_X_GROUP`` features of
-        a row of ``x`` is quantized to fp8 over its own scale (absolute maximum / 448), and each
-        group's product of the fp8 values, accumulated in fp32, is multiplied by its scale, then
-        the sum by the channel's. More rows: each row of ``x`` is quantized over its own scale, and
-        the product of the fp8 values, accumulated in fp32, is multiplied by both scales. Returned
-        in ``x``'s dtype."""
+        output channel. Each row of ``x`` is quantized to fp8 over its own scale (absolute maximum
+        / 448), and the product of the fp8 values, accumulated in fp32, is multiplied by both
+        scales. Returned in ``x``'s dtype."""
 
     def norm_linear(
         self,
@@ -177,9 +168,7 @@ class KernelOps(Protocol):
         weight_scale: torch.Tensor | None = None,  # [out_features] (gated: [2 * out_features]), fp8 weight
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
-        silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's.
-        With fp8 weights up to ``FP8_GEMV_MAX_ROWS`` rows, the normed rows may be used unrounded
-        (the norm's weight applied before the quantization, its 1/rms to the products' sums)."""
+        silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value (the first, on ties), as ``torch.argmax(-1)``:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import FP8_GEMV_MAX_ROWS, FP8_X_GROUP, QKNorm
+from kernels import QKNorm
 
 # Decodes whose padded batch holds at most this many keys share one masked sdpa call; longer ones
 # take one call each. On the CPU (one thread, 4/2 heads of 64) the shared call is 2-4x as fast at
@@ -266,26 +266,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group of ``FP8_X_GROUP`` features of a row of ``x [rows, k]`` (the last group padded
-    with zeros) as quantize_rows quantizes a row: ``(x_fp8 [rows, groups, FP8_X_GROUP],
-    scale [rows, groups, 1])``."""
-    rows, k = x.shape
-    groups = -(-k // FP8_X_GROUP)
-    x_fp8, scale = quantize_rows(F.pad(x.float(), (0, groups * FP8_X_GROUP - k)).view(rows * groups, FP8_X_GROUP))
-    return x_fp8.view(rows, groups, FP8_X_GROUP), scale.view(rows, groups, 1)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     if weight_scale is None:
         return F.linear(x, weight)
-    if x.shape[0] <= FP8_GEMV_MAX_ROWS:  # fp8 weights, the GEMV's rows: x quantized by groups of features
-        x_fp8, x_scale = quantize_groups(x)
-        groups = x_scale.shape[1]
-        w = F.pad(weight.float(), (0, groups * FP8_X_GROUP - weight.shape[1])).view(-1, groups, FP8_X_GROUP)
-        products = torch.einsum("rgk,ngk->rng", x_fp8.float(), w)  # [rows, out, groups]
-        return ((products * x_scale.view(-1, 1, groups)).sum(-1) * weight_scale).to(x.dtype)
-    # more rows of x quantized too: one fp32 product of the fp8 values, both scales after
+    # fp8 weights: the rows of x quantized too, one fp32 product of the fp8 values, both scales after
     x_fp8, x_scale = quantize_rows(x)
     out = F.linear(x_fp8.float(), weight.float()) * x_scale * weight_scale
     return out.to(x.dtype)
