@@ -9,7 +9,7 @@ peer's token over the agreed positions (same context on both sides).
 On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant; then
 the floor of the measure (the bf16 model against the fp32 one) and fp8 KV against bf16 KV:
 
-    python benchmarks/accuracy.py [--max-tokens 32] [--variants int8_weights]
+    python benchmarks/accuracy.py [--max-tokens 32] [--variants int8_weights] [--one-at-a-time]
 """
 
 from __future__ import annotations
@@ -54,15 +54,19 @@ class Agreement:
                     max_abs_dlogprob=round(self.max_abs_dlogprob, 5), prompts_fully_agreed=self.prompts_fully_agreed)
 
 
-def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
-    """Greedy ``(token, logprob)`` lists, every prompt submitted at once (they batch)."""
+def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int,
+             one_at_a_time: bool = False) -> list[list[tuple[int, float]]]:
+    """Greedy ``(token, logprob)`` lists, every prompt submitted at once (they batch), or each
+    alone (decode steps of one row)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     out: dict[str, list[tuple[int, float]]] = {f"acc{i}": [] for i in range(len(prompts))}
-    for rid, prompt in zip(out, prompts):
+    for i, (rid, prompt) in enumerate(zip(out, prompts)):
         core.add_request(GenerateRequest(rid, prompt, sampling))
-    while core.has_work():
-        for frame in core.step():
-            out[frame.request_id] += [(t, lp.logprob) for t, lp in zip(frame.token_ids, frame.logprobs or [])]
+        if not (one_at_a_time or i == len(prompts) - 1):
+            continue
+        while core.has_work():
+            for frame in core.step():
+                out[frame.request_id] += [(t, lp.logprob) for t, lp in zip(frame.token_ids, frame.logprobs or [])]
     return list(out.values())
 
 
@@ -99,6 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--variants", type=lambda v: v.split(","), default=None, help="only these (default: all)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="each prompt generated alone (decode steps of one row), not all at once")
     args = parser.parse_args()
     torch.manual_seed(0)
     prompts = smollm2_prompts()
@@ -108,12 +114,15 @@ def main() -> None:
         model, config = load_model(path, "gguf", "cpu", dtype, load_ops("torch"))
         return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
 
+    def run(candidate: EngineCore) -> list[list[tuple[int, float]]]:
+        return generate(candidate, prompts, args.max_tokens, args.one_at_a_time)
+
     def report(variant: str, peer: str, reference: list, candidate: EngineCore) -> None:
         emit(bench="accuracy", device="cpu", model="smollm2-135m", variant=variant, peer=peer,
-             prompts=len(prompts), max_tokens=args.max_tokens,
-             **agreement(reference, generate(candidate, prompts, args.max_tokens)).record())
+             prompts=len(prompts), max_tokens=args.max_tokens, one_at_a_time=args.one_at_a_time,
+             **agreement(reference, run(candidate)).record())
 
-    reference = generate(core(), prompts, args.max_tokens)
+    reference = run(core())
     variants = {
         "fp8_kv": dict(kv_cache_dtype="fp8_e4m3"),
         "fp8_kv_scale_1": dict(kv_cache_dtype="fp8_e4m3"),
@@ -131,7 +140,7 @@ def main() -> None:
     # The floor of the measure: the same model in bf16 (weights, activations and KV) against fp32;
     # then fp8 KV against bf16 KV, both on the bf16 model.
     report("bf16", "fp32", reference, core(torch.bfloat16))
-    report("fp8_kv_on_bf16", "bf16", generate(core(torch.bfloat16), prompts, args.max_tokens),
+    report("fp8_kv_on_bf16", "bf16", run(core(torch.bfloat16)),
            core(torch.bfloat16, kv_cache_dtype="fp8_e4m3"))
 
 

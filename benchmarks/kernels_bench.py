@@ -576,21 +576,15 @@ def _bench_decode_layer(shape: str, w: LayerWeights, hidden: int, context: int, 
 FP8_LAYERS = 4
 FP8_BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FP8_PREFILL_ROWS = (1024, 8192)
-# fp8_gemv tiles (cuda_cores, block_n, block_k, num_warps, num_stages, programs_per_sm) timed by
-# --sweep at one row, then at FP8_SWEEP_ROWS (the tensor cores)
-FP8_GEMV_SWEEP = [(True, 2, 2048, 4, 1, 2), (True, 4, 1024, 4, 1, 2), (True, 4, 2048, 4, 1, 2),
-                  (True, 8, 1024, 4, 1, 2), (True, 8, 2048, 4, 1, 2), (False, 32, 256, 4, 4, 4),
-                  (False, 64, 256, 4, 3, 2)]
-# ... and at each of --fp8-sweep-rows (the tensor cores), by the engine's path (norm_linear, gated
-# gate_up); a tile the multiprocessor cannot hold is reported as such
-FP8_ROWS_SWEEP = [
-    (False, 32, 256, 4, 4, 4), (False, 32, 256, 4, 4, 8), (False, 64, 128, 4, 4, 2), (False, 64, 256, 4, 3, 2),
-    (False, 64, 256, 4, 4, 1), (False, 64, 256, 4, 4, 2), (False, 64, 256, 4, 4, 4), (False, 64, 256, 8, 4, 2),
-    (False, 64, 512, 4, 3, 2), (False, 64, 512, 8, 3, 2), (False, 128, 128, 4, 4, 1), (False, 128, 128, 4, 4, 2),
-    (False, 128, 128, 4, 4, 4), (False, 128, 128, 8, 4, 2), (False, 128, 256, 4, 3, 2), (False, 128, 256, 8, 3, 1),
-    (False, 128, 256, 8, 3, 2), (False, 128, 256, 8, 4, 2), (False, 256, 128, 8, 3, 2),
+# fp8_gemv tiles (block_n, block_k, num_warps, num_stages, programs_per_sm) timed by --sweep at each
+# of --fp8-sweep-rows, by the engine's path (norm_linear, gated gate_up); a tile the
+# multiprocessor cannot hold is reported as such
+FP8_GEMV_SWEEP = [
+    (32, 256, 4, 4, 4), (32, 256, 4, 4, 8), (64, 128, 4, 4, 2), (64, 256, 4, 3, 2), (64, 256, 4, 4, 1),
+    (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (128, 128, 4, 4, 1), (128, 128, 4, 4, 2),
+    (128, 256, 8, 3, 1), (256, 128, 8, 3, 2),
 ]
-FP8_SWEEP_ROWS = (16, 64)
+FP8_SWEEP_ROWS = (1, 64)
 FP8_REPLAYS = 100
 LM_HEAD_ROWS = 128256  # Llama 3's vocabulary
 
@@ -604,16 +598,14 @@ def bench_fp8(bandwidth: float, sweep: bool, sweep_rows: tuple[int, ...] = FP8_S
     hidden, qkv_width, q_width, inter = GEMV_SHAPES["llama3-8b"]
     bf16 = [LayerWeights.random(hidden, qkv_width, q_width, inter) for _ in range(FP8_LAYERS)]
     fp8 = [{name: quantize_weight(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")} for w in bf16]
-    _fp8_decode(bf16, fp8, bandwidth, sweep, sweep_rows if sweep else ())
+    _fp8_decode(bf16, fp8, bandwidth, sweep_rows if sweep else ())
     _fp8_batches(bf16, fp8)
     _fp8_prefill(bf16[0], fp8[0])
 
 
-def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, rows: int, fn: Callable[..., object]) -> Callable[..., object]:
-    """``fn`` run with fp8_gemv on ``tiles`` for every shape at ``rows``."""
-    most_rows = next(r for r in fp8_ops.FP8_GEMV_DEFAULT_TILES if rows <= r)
-    defaults = {**fp8_ops.FP8_GEMV_DEFAULT_TILES, most_rows: tiles}
-    return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", defaults, fn))
+def with_fp8_tiles(tiles: fp8_ops.Fp8GemvTiles, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` run with fp8_gemv on ``tiles`` for every shape."""
+    return patched("FP8_GEMV_TILES", {}, patched("FP8_GEMV_DEFAULT_TILES", tiles, fn))
 
 
 def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
@@ -635,7 +627,7 @@ def _fp8_projection_cases(bf16, fp8, rows: int) -> dict:
     }
 
 
-def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int, ...]) -> None:
+def _fp8_decode(bf16, fp8, bandwidth: float, sweep_rows: tuple[int, ...]) -> None:
     layers = len(bf16)
     cases = _fp8_projection_cases(bf16, fp8, 1)
     for name, (bf16_fn, fp8_fn) in cases.items():
@@ -647,18 +639,12 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep: bool, sweep_rows: tuple[int,
              fp8_us=round(fp8_us, 2), fp8_roofline_us=round(roofline_us, 2),
              fp8_of_roofline=round(roofline_us / fp8_us, 3), speedup=round(bf16_us / fp8_us, 3),
              max_abs_err=max_abs_err(fp8_fn(0), bf16_fn(0)))
-        if sweep:
-            for tiles in FP8_GEMV_SWEEP:
-                alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*tiles), 1, fp8_fn), layers,
-                                           FP8_REPLAYS)
-                emit(bench="fp8_gemv_sweep", proj=name, rows=1, tiles=tiles, fp8_us=round(alt_us, 2),
-                     fp8_of_roofline=round(roofline_us / alt_us, 3))
     for rows in sweep_rows:
         for name, (_, fp8_fn) in _fp8_projection_cases(bf16, fp8, rows).items():
             roofline_us = fp8[0][name][0].numel() / bandwidth * 1e6
-            for alt in FP8_ROWS_SWEEP:
+            for alt in FP8_GEMV_SWEEP:
                 try:
-                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), rows, fp8_fn), layers,
+                    alt_us = graph_us_per_call(with_fp8_tiles(fp8_ops.Fp8GemvTiles(*alt), fp8_fn), layers,
                                                FP8_REPLAYS)
                 except triton.runtime.errors.OutOfResources as e:
                     emit(bench="fp8_gemv_sweep", proj=name, rows=rows, tiles=alt, skipped=str(e))
@@ -692,6 +678,7 @@ def _fp8_batches(bf16, fp8) -> None:
     names = ("qkv", "o", "gate_up", "down")
     for rows in FP8_BATCH_ROWS:
         inputs = {n: torch.randn(rows, fp8[0][n][0].shape[1], dtype=DTYPE, device="cuda") for n in names}
+        quantized = {x.shape[1]: fp8_ops.quantize_rows(x) for x in inputs.values()}  # by width
 
         def layer(path):
             def run(i: int):
@@ -705,8 +692,9 @@ def _fp8_batches(bf16, fp8) -> None:
             "fp8_scaled_mm": lambda x, w, wf, s: fp8_ops.scaled_linear(x, wf, s),
             "quantize_only": lambda x, w, wf, s: fp8_ops.quantize_rows(x),
         }
-        if rows <= fp8_ops.FP8_GEMV_QUANTIZED_MAX_ROWS:
-            paths["fp8_gemv"] = lambda x, w, wf, s: fp8_ops.fp8_gemv(x, wf, s, wf.shape[0])
+        if rows <= fp8_ops.FP8_GEMV_MAX_ROWS:
+            paths["fp8_gemv_only"] = lambda x, w, wf, s: fp8_ops.fp8_gemv(*quantized[x.shape[1]], wf, s, wf.shape[0],
+                                                                          DTYPE)
         us = {k: round(graph_us_per_call(layer(p), layers, FP8_REPLAYS), 2) for k, p in paths.items()}
         emit(bench="fp8_layer_linears", shape="llama3-8b", rows=rows, **{f"{k}_us": v for k, v in us.items()},
              fp8_default_speedup=round(us["bf16"] / us["fp8_default"], 3))
@@ -744,7 +732,7 @@ def main() -> None:
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
     parser.add_argument("--fp8-sweep-rows", default=",".join(map(str, FP8_SWEEP_ROWS)),
-                        help="rows at which --sweep times FP8_ROWS_SWEEP's tensor-core tiles")
+                        help="rows at which --sweep times FP8_GEMV_SWEEP's tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA device")

@@ -358,11 +358,10 @@ class EngineConfig:
                 "scales calibrated at load)", choices=KV_CACHE_DTYPES)
     quantization: str = _flag(
         "none", "weight quantization of the linear layers; fp8 = E4M3 weights with per-output-channel scales "
-                "(quantized at load, or read from an FP8 checkpoint); one-row steps keep activations unquantized, "
-                "larger ones quantize them with per-token scales; int8 (CPU only) = int8 weights with "
-                "per-output-channel scales (the LM head too) over bf16 activations; int4 (CPU only) = 4-bit weights "
-                "in groups of 32 input columns, each over a scale and a minimum (a GGUF Q4_1 block's form; the "
-                "LM head in int8), over bf16 activations",
+                "(quantized at load, or read from an FP8 checkpoint), activations quantized with per-token "
+                "scales; int8 (CPU only) = int8 weights with per-output-channel scales (the LM head too) over "
+                "bf16 activations; int4 (CPU only) = 4-bit weights in groups of 32 input columns, each over a "
+                "scale and a minimum (a GGUF Q4_1 block's form; the LM head in int8), over bf16 activations",
         choices=QUANTIZATIONS)
     block_size: int = _flag(16, "tokens per KV block")
     max_num_seqs: int = _flag(64, "most sequences in one step")

@@ -25,10 +25,6 @@ from typing import NamedTuple, Protocol
 import torch
 
 BACKENDS = ("torch", "triton")
-# fp8 ``linear`` of at most this many rows leaves the activations unquantized: they multiply the
-# weights upcast on the way (one row by FMAs; more in fp16 on the tensor cores, whose smallest tile
-# holds 16 rows, so the weights are read once for all). More rows are quantized per row.
-FP8_GEMV_MAX_ROWS = 16
 
 
 class QKNorm(NamedTuple):
@@ -157,10 +153,9 @@ class KernelOps(Protocol):
         """``x @ weight.T`` (bias-free) for ``x [num_tokens, in_features]``, ``weight [out_features, in_features]``.
 
         With ``weight_scale [out_features]`` fp32, ``weight`` is fp8 (E4M3) holding ``w / scale`` per
-        output channel. Up to ``FP8_GEMV_MAX_ROWS`` rows: ``x`` times the fp8 values, accumulated
-        in fp32, times the scale. More rows: each row of ``x`` is quantized to fp8 over its own
-        scale (absolute maximum / 448), and the product of the fp8 values, accumulated in fp32, is
-        multiplied by both scales. Returned in ``x``'s dtype."""
+        output channel. Each row of ``x`` is quantized to fp8 over its own scale (absolute maximum
+        / 448), and the product of the fp8 values, accumulated in fp32, is multiplied by both
+        scales. Returned in ``x``'s dtype."""
 
     def norm_linear(
         self,
@@ -173,9 +168,7 @@ class KernelOps(Protocol):
         weight_scale: torch.Tensor | None = None,  # [out_features] (gated: [2 * out_features]), fp8 weight
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm (with the residual add), ``linear`` of the normed rows and, when ``gated``,
-        silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's.
-        With fp8 weights up to ``FP8_GEMV_MAX_ROWS`` rows, the normed rows may be used unrounded
-        (the norm's 1/rms applied to the products' sums)."""
+        silu_and_mul of the product. Returns ``(out, residual)``, the residual as rms_norm's."""
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value (the first, on ties), as ``torch.argmax(-1)``:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import FP8_GEMV_MAX_ROWS, QKNorm
+from kernels import QKNorm
 
 # Decodes whose padded batch holds at most this many keys share one masked sdpa call; longer ones
 # take one call each. On the CPU (one thread, 4/2 heads of 64) the shared call is 2-4x as fast at
@@ -288,9 +288,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     if weight_scale is None:
         return F.linear(x, weight)
-    if x.shape[0] <= FP8_GEMV_MAX_ROWS:  # fp8 weights, the GEMV's rows: x unquantized
-        return (F.linear(x.float(), weight.float()) * weight_scale).to(x.dtype)
-    # more rows of x quantized too: one fp32 product of the fp8 values, both scales after
+    # fp8 weights: the rows of x quantized too, one fp32 product of the fp8 values, both scales after
     x_fp8, x_scale = quantize_rows(x)
     out = F.linear(x_fp8.float(), weight.float()) * x_scale * weight_scale
     return out.to(x.dtype)

@@ -1,9 +1,7 @@
 """FP8 (E4M3) weights as a transform of a single-device model (gpt-fast's quantize.py idea): the
 model code stays as it is; its projections' weights become fp8 with one scale per output channel,
-and its op set passes each fp8 weight's scale to ``linear``/``norm_linear``: a decode step of up to
-``kernels.FP8_GEMV_MAX_ROWS`` rows (bound by the weights' bytes) multiplies its activations
-unquantized by the weights upcast on the way; larger batches quantize each activation row over its
-own scale (dynamic, per token) and multiply in fp8 (``kernels.KernelOps``).
+and its op set passes each fp8 weight's scale to ``linear``/``norm_linear``, which quantize each
+activation row over its own scale (dynamic, per token) and multiply in fp8 (``kernels.KernelOps``).
 
 Per-channel weight scales keep fused projections exact: the rows of q, k and v (gate and up) each
 keep their own scales, so a checkpoint's per-tensor scales load as rows of equal scales.

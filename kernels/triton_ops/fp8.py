@@ -1,7 +1,6 @@
 """FP8 (E4M3): the saturating cast, per-row activation quantization, ``linear`` with fp8 weights
-for decode batches (``fp8_gemv``: the weights streamed once, by FMAs on the CUDA cores for one row
-or through the tensor cores for up to 64 rows) and for larger ones (``scaled_linear``:
-torch._scaled_mm)."""
+of rows quantized per row: decode batches by ``fp8_gemv`` (the weights streamed once through the
+tensor cores in fp8 x fp8, up to 64 rows), larger ones by ``scaled_linear`` (torch._scaled_mm)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import FP8_GEMV_MAX_ROWS
 from kernels.triton_ops._checks import _INTERPRETED, _check, _check_devices, _check_last_dim_contiguous
 from kernels.triton_ops._launch import _arrival_counters, _num_sms, _pdl_args
 from kernels.triton_ops.norm_rope import _MAX_ROW_WIDTH
@@ -172,82 +170,81 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 class Fp8GemvTiles(NamedTuple):
-    cuda_cores: bool  # one row only: FMAs on the CUDA cores; otherwise the tensor cores (rows padded to 16)
-    block_n: int  # weight rows (output columns) per program
+    block_n: int  # weight rows (output columns) per program: the tensor cores' M
     block_k: int  # input features per step
     num_warps: int
     num_stages: int
     programs_per_sm: int  # K is split until column blocks x splits reach this many per multiprocessor
 
 
-# The tensor cores take x's rows padded to their smallest N (tl.dot's 16); more rows take the next
-# power of two, up to FP8_GEMV_QUANTIZED_MAX_ROWS.
+# The tensor cores take x's rows as their N, padded to tl.dot's smallest (16) or the next power of two.
 _FP8_GEMV_MIN_BLOCK_M = 16
-# Rows past kernels.FP8_GEMV_MAX_ROWS (quantized per row, as for torch._scaled_mm) and up to this
-# many go through the tensor-core kernel with fp8 x; more go to torch._scaled_mm.
-FP8_GEMV_QUANTIZED_MAX_ROWS = 64
+# Up to this many rows of quantized x go through fp8_gemv; more go to torch._scaled_mm.
+FP8_GEMV_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
-_FP8_GEMV_MAX_NORM_BLOCK = 4096  # the one-row kernel's norm reads x in chunks of this many features
-_F16_MAX = tl.constexpr(65504.0)
-_DECODED_UNIT = tl.constexpr(2.0**120)  # what _decode_fp8_words leaves off
 
-# Tiles by the most rows they serve (1, FP8_GEMV_MAX_ROWS unquantized, FP8_GEMV_QUANTIZED_MAX_ROWS
-# quantized), then by weight shape (rows, in_features) where one differs: the fastest timed on the
-# H200 (kernels_bench.py --only fp8 --sweep; Llama 3 8B's projections). The interpreter gets small
-# tiles so that tiny test shapes cross tile boundaries and split K.
-_ROW_TILES = Fp8GemvTiles(cuda_cores=True, block_n=4, block_k=2048, num_warps=4, num_stages=1, programs_per_sm=2)
-FP8_GEMV_DEFAULT_TILES: dict[int, Fp8GemvTiles] = {
-    1: Fp8GemvTiles(True, 4, 32, 1, 1, 2) if _INTERPRETED else _ROW_TILES,
-    FP8_GEMV_MAX_ROWS: Fp8GemvTiles(False, 16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
-        cuda_cores=False, block_n=32, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4),
-    FP8_GEMV_QUANTIZED_MAX_ROWS: Fp8GemvTiles(False, 16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
-        cuda_cores=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=1),
-}
+# Tiles by the most rows they serve (1 or FP8_GEMV_MAX_ROWS) and weight shape (rows, in_features)
+# where one differs from the default: the fastest timed (kernels_bench.py --only fp8 --sweep; Llama
+# 3 8B's projections as the engine runs them; 64 rows on the H200, one row on an H100, where the
+# default won for qkv, o and down and gate_up's pick is within 0.5 % of it). The interpreter gets
+# narrow tiles so that tiny test shapes cross column blocks and split K.
+FP8_GEMV_DEFAULT_TILES = Fp8GemvTiles(16, 32, 4, 1, 2) if _INTERPRETED else Fp8GemvTiles(
+    block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=1)
 FP8_GEMV_TILES: dict[tuple[int, int, int], Fp8GemvTiles] = {} if _INTERPRETED else {
-    (1, 4096, 4096): _ROW_TILES._replace(block_k=1024),  # o
-    (1, 4096, 14336): FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS],  # down: the tensor cores, as for more rows
+    # gate_up at one row, gated (an H100: 44.2 us, the default 44.4)
+    (1, 28672, 4096): Fp8GemvTiles(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
     # gate_up, gated as norm_linear runs it (64 rows: 38.4 us; the plain product's fastest,
     # block_n=128, took 52.1 us gated)
-    (FP8_GEMV_QUANTIZED_MAX_ROWS, 28672, 4096): Fp8GemvTiles(
-        cuda_cores=False, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
+    (FP8_GEMV_MAX_ROWS, 28672, 4096): Fp8GemvTiles(block_n=64, block_k=128, num_warps=4, num_stages=4,
+                                                   programs_per_sm=2),
 }
 
 
 @triton.jit
-def _decode_fp8_words(words):
-    """The four fp8 (E4M3) values packed in little-endian int32 ``words`` (the lowest byte first),
-    as fp32 times 2^-120 exactly: each value's sign and seven exponent and mantissa bits moved to
-    fp32's places by two or three integer operations (E4M3's subnormals become fp32's). The
-    conversion instructions (E4M3 to fp16 to fp32, each byte extracted first) cost about twice
-    as many; the caller multiplies the sums by 2^120."""
-    bits = 0x07F00000  # the exponent and mantissa bits' places
-    sign = -0x80000000
-    w0 = ((words << 20) & bits) | ((words << 24) & sign)
-    w1 = ((words << 12) & bits) | ((words << 16) & sign)
-    w2 = ((words << 4) & bits) | ((words << 8) & sign)
-    w3 = ((words >> 4) & bits) | (words & sign)
-    return (w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True), w2.to(tl.float32, bitcast=True),
-            w3.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _dot_words(words, x0, x1, x2, x3):
-    """``[rows, segs, 4]`` fp8 words times x's features in the same places (x_j: byte j of each
-    word), summed over each thread's 16 weights: ``[rows, segs]`` in units of 2^-120."""
-    w0, w1, w2, w3 = _decode_fp8_words(words)
-    return tl.sum(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, 2)
-
-
-@triton.jit
-def _fp8_gemv_finish(
-    acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr, counters_ptr,
-    n_out, out_stride, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_gemv_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split,
+    x_stride, w_stride, out_stride,
+    GATED: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Writes ``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales,
-    rounded to the output dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded
-    pair, rounded. SPLIT: the program writes its partial sums and counts its arrival; the column
-    block's last merges the partials (in split order, so the result does not depend on the order
-    of arrival), writes the output and resets the counter for the next launch."""
+    """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ x[rows, ks]^T`` of fp8
+    (E4M3) weights and rows quantized per row, on the tensor cores in fp8 x fp8, accumulated in
+    fp32: the weight tile is their M and the rows their N ("swap AB"), so the weights are read
+    once for all rows, never converted. The row and channel scales are applied to the sums.
+    GATED: ``silu(gate) * up`` of the rounded pair (the up rows follow the gate's). SPLIT: the
+    program writes its partial sums and counts its arrival; the column block's last merges the
+    partials (in split order, so the result does not depend on the order of arrival), writes the
+    output and resets the counter for the next launch."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < rows
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    up_rows = w_rows + n_out.to(tl.int64) * w_stride
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
+        k = k_start + kk
+        k_ok = k < k_in
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x), acc, input_precision="ieee")
+        if GATED:
+            up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_up = tl.dot(up.to(DOT_DTYPE), tl.trans(x), acc_up, input_precision="ieee")
+    if USE_PDL:  # the next kernel may launch: only the merge and the stores remain
+        tl.extra.cuda.gdc_launch_dependents()
+
+    x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
     if SPLIT:
         num_splits = tl.num_programs(1)
         width = (2 if GATED else 1) * n_out
@@ -275,6 +272,9 @@ def _fp8_gemv_finish(
 @triton.jit
 def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride,
                     GATED: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales, rounded
+    to the output dtype as the product's output; GATED: ``silu(gate) * up`` of the rounded pair,
+    rounded."""
     dtype = out_ptr.dtype.element_ty
     y = (acc * x_scale[None, :] * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)[:, None]).to(dtype)
     if GATED:
@@ -285,217 +285,29 @@ def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr
     tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
-def _fp8_gemv_row_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr, partial_ptr, counters_ptr,
-    n_out, k_in, k_per_split, eps, w_stride,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Program (column block, K split) of one row: ``out[cols] = f(x) @ w[cols, ks]^T`` by FMAs in
-    fp32, f the optional residual add and RMSNorm (its 1/rms from a first pass over x, in chunks
-    of NORM_BLOCK), rounded to x's dtype as rms_norm returns it. A step's weight tile is
-    ``[BLOCK_N, BLOCK_K // 16, 4]`` int32 words: each thread loads 16 consecutive bytes of a row
-    at once, decodes them by bit operations (_decode_fp8_words) and sums their products in its
-    registers, so the sums kept take a register per 16 weights. The first tile is loaded before
-    waiting on the previous kernel: it does not depend on it. With a residual, one program per
-    NORM_BLOCK slice writes ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < n_out
-    segs: tl.constexpr = BLOCK_K // 16
-    word = tl.arange(0, segs)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [segs, 4], in words
-    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + n.to(tl.int64)[:, None, None] * (w_stride // 4)
-    up_rows = w_rows + n_out.to(tl.int64) * (w_stride // 4)
-    # features [segs, 4, 4]: the bytes of each word
-    feature = word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, k_in)
-    # k < k_in masks each split too (its steps end at its end); compared in words, k_in divisible by 16
-    # keeps 16-byte loads
-    words_in = k_in // 4
-    w_mask = n_ok[:, None, None] & (k_lo // 4 + word < words_in)[None, :, :]
-    w = tl.load(w_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    if GATED:
-        up = tl.load(up_rows + k_lo // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-    dtype = x_ptr.dtype.element_ty
-    rstd = 1.0
-    if HAS_NORM:
-        kn = tl.arange(0, NORM_BLOCK)
-        sum_sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-        for k_start in range(0, k_in, NORM_BLOCK):
-            kn_ok = k_start + kn < k_in
-            x = tl.load(x_ptr + k_start + kn, mask=kn_ok, other=0.0)
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + k_start + kn, mask=kn_ok, other=0.0)
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                if (split == 0) & ((k_start // NORM_BLOCK) % tl.num_programs(0) == pid_n):
-                    tl.store(residual_out_ptr + k_start + kn, x, mask=kn_ok)
-            xf = x.to(tl.float32)
-            sum_sq += xf * xf
-        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / k_in + eps)
-
-    acc = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, segs], dtype=tl.float32)
-    for k_start in range(k_lo, k_hi, BLOCK_K):
-        if k_start > k_lo:
-            w_mask = n_ok[:, None, None] & (k_start // 4 + word < words_in)[None, :, :]
-            w = tl.load(w_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            if GATED:
-                up = tl.load(up_rows + k_start // 4 + word[None, :, :], mask=w_mask, other=0,
-                             eviction_policy="evict_first")
-        k = k_start + feature
-        k_ok = k < k_in
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(residual_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-        if HAS_NORM:
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * rstd * norm_weight).to(dtype)
-        x_even, x_odd = tl.split(x.to(tl.float32).reshape(segs, 4, 2, 2))  # byte j = 2 * j1 + j0: j0 split first
-        x0, x2 = tl.split(x_even)
-        x1, x3 = tl.split(x_odd)
-        x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-        acc += _dot_words(w, x0, x1, x2, x3)
-        if GATED:
-            acc_up += _dot_words(up, x0, x1, x2, x3)
-    if USE_PDL:  # the next kernel may launch: only the sums, the merge and the stores remain
-        tl.extra.cuda.gdc_launch_dependents()
-
-    m = tl.arange(0, 1)
-    _fp8_gemv_finish((tl.sum(acc, 1) * _DECODED_UNIT)[:, None], (tl.sum(acc_up, 1) * _DECODED_UNIT)[:, None],
-                     tl.full([1], 1.0, dtype=tl.float32), pid_n, split, n, n_ok, m, m < 1, w_scale_ptr, out_ptr,
-                     partial_ptr, counters_ptr, n_out, 0, GATED, SPLIT, 1)
-
-
-@triton.jit
-def _fp8_gemv_x_tile(x_rows, residual_rows, k, mask, HAS_RESIDUAL: tl.constexpr):
-    """Features ``k`` of x's rows (+ the residual's, rounded to x's dtype as rms_norm adds them)."""
-    x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_rows + k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_rows.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, x_scale_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, out_ptr, residual_out_ptr,
-    partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split, eps, x_stride, residual_stride, w_stride,
-    out_stride,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, X_FP8: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ f(x[rows, ks])^T`` on the
-    tensor cores, the weight tile as their M (so the weights are read once for all rows),
-    accumulated in fp32. f: the optional residual add and RMSNorm (its 1/rms from a first pass
-    over the rows), rounded to x's dtype as rms_norm returns it, then to DOT_DTYPE (fp16 holds
-    bf16 exactly within ±65504; beyond it saturates); X_FP8: x already quantized per row, its
-    scales applied with the channels'. With a residual, one program per BLOCK_K slice writes
-    ``x + residual`` to ``residual_out``. See _fp8_gemv_finish for SPLIT."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < n_out
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < rows
-    kk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
-    up_rows = w_rows + n_out.to(tl.int64) * w_stride
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
-    residual_rows = residual_ptr + m.to(tl.int64)[:, None] * residual_stride
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, k_in, BLOCK_K):
-            k = k_start + kk
-            mask = m_ok[:, None] & (k < k_in)[None, :]
-            x = _fp8_gemv_x_tile(x_rows, residual_rows, k, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if (split == 0) & ((k_start // BLOCK_K) % tl.num_programs(0) == pid_n):
-                    tl.store(residual_out_ptr + m.to(tl.int64)[:, None] * k_in + k[None, :], x, mask=mask)
-            xf = x.to(tl.float32)
-            sum_sq += xf * xf
-        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 1) / k_in + eps)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_lo = split * k_per_split
-    for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
-        k = k_start + kk
-        k_ok = k < k_in
-        x = _fp8_gemv_x_tile(x_rows, residual_rows, k, m_ok[:, None] & k_ok[None, :], HAS_RESIDUAL)
-        if HAS_NORM:
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * rstd[:, None] * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
-        if not X_FP8:
-            if DOT_DTYPE == tl.float16:
-                x = tl.clamp(x.to(tl.float32), -_F16_MAX, _F16_MAX)
-            x = x.to(DOT_DTYPE)
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision="ieee")
-        if GATED:
-            up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(up.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc_up, input_precision="ieee")
-    if USE_PDL:  # the next kernel may launch: only the merge and the stores remain
-        tl.extra.cuda.gdc_launch_dependents()
-
-    x_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if X_FP8:
-        x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
-    _fp8_gemv_finish(acc, acc_up, x_scale, pid_n, split, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, partial_ptr,
-                     counters_ptr, n_out, out_stride, GATED, SPLIT, BLOCK_M)
-
-
 def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
-    """The tiles of ``fp8_gemv`` for ``rows`` of x. The CUDA-core kernel reads whole int32 words of
-    the weights: one row of a weight not made of whole words takes the tensor cores' tiles."""
-    most_rows = next(r for r in (1, FP8_GEMV_MAX_ROWS, FP8_GEMV_QUANTIZED_MAX_ROWS) if rows <= r)
-    tiles = FP8_GEMV_TILES.get((most_rows, *weight.shape), FP8_GEMV_DEFAULT_TILES[most_rows])
-    if tiles.cuda_cores and (weight.shape[1] % 4 or weight.stride(0) % 4):
-        return FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS]
-    return tiles
+    """The tiles of ``fp8_gemv`` for ``rows`` of x times ``weight``."""
+    return FP8_GEMV_TILES.get((1 if rows == 1 else FP8_GEMV_MAX_ROWS, *weight.shape), FP8_GEMV_DEFAULT_TILES)
 
 
 def fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int, *,
-    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    gated: bool = False, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, residual_out)`` of a decode batch (up to FP8_GEMV_QUANTIZED_MAX_ROWS rows) in one
-    launch: up to ``kernels.FP8_GEMV_MAX_ROWS`` rows unquantized (with the optional residual add
-    and RMSNorm fused in), more quantized per row first (no norm: ``norm_linear`` norms and
-    quantizes them by rms_norm_quantize, then passes fp8 ``x`` with its ``x_scale [rows, 1]`` and
-    ``out_dtype``). No host sync and a fixed-size scratch: it may be captured in a CUDA graph
-    once it has run eagerly on the device."""
+    x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int,
+    out_dtype: torch.dtype, gated: bool = False,
+) -> torch.Tensor:
+    """``out [rows, n_out]`` (``out_dtype``) of a decode batch of up to FP8_GEMV_MAX_ROWS rows of
+    fp8 ``x`` quantized per row (``x_scale [rows, 1]``; quantize_rows, rms_norm_quantize) in one
+    launch, SiLU-and-mul fused in when ``gated``. No host sync and a fixed-size scratch: it may
+    be captured in a CUDA graph once it has run eagerly on the device."""
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
-    _check_devices(x=x, weight=weight, weight_scale=weight_scale)
-    x_fp8 = rows > FP8_GEMV_MAX_ROWS
-    _check(not x_fp8 or norm_weight is None, f"norm_linear fuses its norm only up to {FP8_GEMV_MAX_ROWS} rows")
-    quantized = x_scale is not None
-    _check(quantized == (x.dtype == torch.float8_e4m3fn), "fp8 x comes with its x_scale, and only fp8 x")
-    _check(not quantized or (x_fp8 and residual is None and out_dtype is not None),
-           f"quantized x: more than {FP8_GEMV_MAX_ROWS} rows, no residual, an out_dtype")
-    out = torch.empty((rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    residual_out = x
-    if residual is not None:
-        _check_last_dim_contiguous("residual", residual)
-        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_devices(x=x, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
+    _check(x.dtype == torch.float8_e4m3fn and x_scale.shape == (rows, 1) and rows <= FP8_GEMV_MAX_ROWS,
+           f"fp8_gemv takes up to {FP8_GEMV_MAX_ROWS} rows of fp8 x with their x_scale [rows, 1]")
+    out = torch.empty((rows, n_out), dtype=out_dtype, device=x.device)
     if rows == 0:
-        return out, residual_out
+        return out
     tiles = fp8_gemv_tiles(weight, rows)
-    _check(not tiles.cuda_cores or rows == 1, f"the CUDA-core fp8 GEMV takes one row, got {rows}")
-    block_m = 1 if tiles.cuda_cores else max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
+    block_m = max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
     n_blocks = triton.cdiv(n_out, tiles.block_n)
     k_steps = triton.cdiv(k_in, tiles.block_k)
     splits = max(1, min(round(tiles.programs_per_sm * _num_sms(x.device) / n_blocks), k_steps, _FP8_GEMV_MAX_SPLITS))
@@ -505,29 +317,11 @@ def fp8_gemv(
     if splits > 1:
         counters = _arrival_counters(x.device, n_blocks, "fp8 linear")
         partial = torch.empty((splits, (2 if gated else 1) * n_out, block_m), dtype=torch.float32, device=x.device)
-    unused = x  # a pointer argument the kernel's flags leave unread
-    residual_in = unused if residual is None else residual
-    norm_in = unused if norm_weight is None else norm_weight
-    flags = dict(HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, SPLIT=splits > 1,
-                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device), num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages)
-    if tiles.cuda_cores:
-        _fp8_gemv_row_kernel[(n_blocks, splits)](
-            x, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
-            n_out, k_in, k_per_split, eps, weight.stride(0),
-            NORM_BLOCK=min(_FP8_GEMV_MAX_NORM_BLOCK, triton.next_power_of_2(k_in)), **flags,
-        )
-        return out, residual_out
-    x_in = x
-    if x_fp8 and not quantized:
-        x_in, x_scale = quantize_rows(x)
-    if _INTERPRETED or out.dtype == torch.float32:
-        dot_dtype = tl.float32
-    else:
-        dot_dtype = tl.float8e4nv if x_fp8 else tl.float16
+    # The interpreter multiplies the fp8 values in fp32 (exact products; only the order of the sums differs).
     _fp8_gemv_kernel[(n_blocks, splits)](
-        x_in, x_scale, residual_in, norm_in, weight, weight_scale, out, residual_out, partial, counters,
-        rows, n_out, k_in, k_per_split, eps, x_in.stride(0), 0 if residual is None else residual.stride(0),
-        weight.stride(0), out.stride(0), X_FP8=x_fp8, DOT_DTYPE=dot_dtype, BLOCK_M=block_m, **flags,
+        x, x_scale, weight, weight_scale, out, partial, counters, rows, n_out, k_in, k_per_split, x.stride(0),
+        weight.stride(0), out.stride(0), GATED=gated, DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv,
+        SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out, residual_out
+    return out

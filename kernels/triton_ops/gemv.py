@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import FP8_GEMV_MAX_ROWS
 from kernels.triton_ops._checks import (
     _FLOAT_DTYPES,
     _INTERPRETED,
@@ -19,7 +18,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
 )
 from kernels.triton_ops._launch import _pdl_args
-from kernels.triton_ops.fp8 import FP8_GEMV_QUANTIZED_MAX_ROWS, fp8_gemv, rms_norm_quantize, scaled_linear
+from kernels.triton_ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_gemv, quantize_rows, rms_norm_quantize, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
 # One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
@@ -137,7 +136,7 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows = x.shape[0]
     if weight.dtype == torch.float8_e4m3fn:
-        return 0 < rows <= FP8_GEMV_QUANTIZED_MAX_ROWS
+        return 0 < rows <= FP8_GEMV_MAX_ROWS
     return x.dtype == weight.dtype and (rows == 1 or (
         0 < rows <= GEMV_MAX_ROWS and weight.numel() * weight.element_size() <= _GEMV_L2_RESIDENT_BYTES
     ))
@@ -193,13 +192,14 @@ def _batch_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2) by the GEMV
-    kernel, others by cuBLAS. fp8 weights: up to FP8_GEMV_QUANTIZED_MAX_ROWS rows by ``fp8_gemv``,
-    more by ``scaled_linear`` (torch._scaled_mm)."""
+    kernel, others by cuBLAS. fp8 weights: the rows quantized, then up to FP8_GEMV_MAX_ROWS rows by
+    ``fp8_gemv``, more by ``scaled_linear`` (torch._scaled_mm)."""
     _check_gemv_weight(x, weight, weight_scale)
     if not _use_gemv(x, weight):
         return _batch_linear(x, weight, weight_scale)
     if weight_scale is not None:
-        return fp8_gemv(x, weight, weight_scale, weight.shape[0])[0]
+        x_fp8, x_scale = quantize_rows(x)
+        return fp8_gemv(x_fp8, x_scale, weight, weight_scale, weight.shape[0], x.dtype)
     return _launch_gemv(x, weight, weight.shape[0])[0]
 
 
@@ -207,8 +207,8 @@ def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode batches take one GEMV launch for all of it (fp8 weights past FP8_GEMV_MAX_ROWS rows:
-    rms_norm_quantize, then ``fp8_gemv`` with SiLU-and-mul fused in)."""
+    """Decode batches take one GEMV launch for all of it (fp8 weights: rms_norm_quantize, then
+    ``fp8_gemv`` with SiLU-and-mul fused in)."""
     _check_gemv_weight(x, weight, weight_scale)
     _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
@@ -219,8 +219,5 @@ def norm_linear(
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight_scale is None:
         return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
-    if x.shape[0] > FP8_GEMV_MAX_ROWS:
-        x_fp8, x_scale, residual = rms_norm_quantize(x, norm_weight, eps, residual)
-        out = fp8_gemv(x_fp8, weight, weight_scale, n_out, gated=gated, x_scale=x_scale, out_dtype=x.dtype)[0]
-        return out, residual
-    return fp8_gemv(x, weight, weight_scale, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
+    x_fp8, x_scale, residual = rms_norm_quantize(x, norm_weight, eps, residual)
+    return fp8_gemv(x_fp8, x_scale, weight, weight_scale, n_out, x.dtype, gated), residual

@@ -1,7 +1,6 @@
-"""linear and norm_linear with fp8 weights (per-channel scales): the Triton ops (up to
-FP8_GEMV_MAX_ROWS rows by fp8_gemv, activations unquantized; up to FP8_GEMV_QUANTIZED_MAX_ROWS
-quantized, by fp8_gemv; more quantized, then torch._scaled_mm) against the reference, and the
-reference against the unquantized product."""
+"""linear and norm_linear with fp8 weights (per-channel scales) and activations quantized per row:
+the Triton ops (up to FP8_GEMV_MAX_ROWS rows by fp8_gemv, more by torch._scaled_mm) against the
+reference, and the reference against the unquantized product."""
 
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ from kernel_cases import GPU_ATTENTION_TOL, ULP, assert_close, gpu
 from test_gemv import GEMV_SHAPES, gemv_inputs
 
 from engine.models.fp8 import quantize_weight
-from kernels import FP8_GEMV_MAX_ROWS, reference, triton_ops
+from kernels import reference, triton_ops
 from kernels.triton_ops import fp8
 
-# fp8_gemv: one row, a few, the most left unquantized, quantized rows; then torch._scaled_mm
-FP8_ROWS = [1, 3, FP8_GEMV_MAX_ROWS, 20, fp8.FP8_GEMV_QUANTIZED_MAX_ROWS + 1]
-
+# fp8_gemv: one row, a few, the tensor cores' smallest N, the most; then torch._scaled_mm
+FP8_ROWS = [1, 3, 16, fp8.FP8_GEMV_MAX_ROWS, fp8.FP8_GEMV_MAX_ROWS + 1]
 
 def fp8_inputs(rows, n_out, k_in, dtype, gated=False, device="cpu"):
     x, residual, norm_weight, weight = gemv_inputs(rows, n_out, k_in, dtype, gated)
@@ -46,7 +44,7 @@ def assert_rms_norm_quantize_is_quantized_rms_norm(x, residual, norm_weight):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quantize_is_quantize_rows_of_rms_norm(ops, dtype, with_residual):
-    x, residual, norm_weight, _, _, _ = fp8_inputs(FP8_GEMV_MAX_ROWS + 4, 40, 72, dtype)
+    x, residual, norm_weight, _, _, _ = fp8_inputs(20, 40, 72, dtype)
     assert_rms_norm_quantize_is_quantized_rms_norm(x, residual if with_residual else None, norm_weight)
 
 
@@ -80,22 +78,19 @@ def test_fp8_norm_linear(ops, dtype, rows, gated, with_residual):
     assert_close(out, expected, rtol=(8 if gated else 4) * ULP[dtype], atol=atol)
 
 
-def test_decode_rows_leave_the_activations_unquantized(ops):
-    x, _, _, _, weight, scale = fp8_inputs(FP8_GEMV_MAX_ROWS + 1, 40, 72, torch.float32)
-    few_rows = reference.linear(x[:FP8_GEMV_MAX_ROWS], weight, scale)
-    # row 0 holds 40.0 and -1e-4: quantized over its scale, -1e-4 would underflow to 0
-    assert torch.equal(few_rows, torch.nn.functional.linear(x[:FP8_GEMV_MAX_ROWS], weight.float()) * scale)
-    assert not torch.equal(few_rows[:1], reference.linear(x, weight, scale)[:1])
-    assert_close(ops.linear(x[:FP8_GEMV_MAX_ROWS], weight, scale), few_rows, rtol=2 * ULP[torch.float32],
-                 atol=ULP[torch.float32])
+def test_one_row_is_quantized_as_in_a_batch(ops):
+    x, _, _, _, weight, scale = fp8_inputs(fp8.FP8_GEMV_MAX_ROWS + 1, 40, 72, torch.float32)
+    one_row = reference.linear(x[:1], weight, scale)
+    # row 0 holds 40.0 and -1e-4: quantized over its scale (40 / 448), -1e-4 underflows to 0
+    assert_close(one_row, reference.linear(x, weight, scale)[:1], rtol=2 * ULP[torch.float32], atol=0)
+    assert not torch.equal(one_row, torch.nn.functional.linear(x[:1], weight.float()) * scale)
+    assert_close(ops.linear(x[:1], weight, scale), one_row, rtol=2 * ULP[torch.float32], atol=ULP[torch.float32])
 
 
-def test_fp8_one_row_of_a_weight_not_of_whole_words(ops):
-    # the CUDA-core kernel reads int32 words: 70 features take the tensor-core kernel
-    x, _, _, _, weight, scale = fp8_inputs(1, 40, 70, torch.float32)
-    assert fp8.fp8_gemv_tiles(weight, 1) == fp8.FP8_GEMV_DEFAULT_TILES[FP8_GEMV_MAX_ROWS]
-    assert_close(ops.linear(x, weight, scale), reference.linear(x, weight, scale), rtol=2 * ULP[torch.float32],
-                 atol=ULP[torch.float32])
+def test_fp8_gemv_takes_quantized_rows(ops):
+    x, _, _, _, weight, scale = fp8_inputs(2, 40, 72, torch.float32)
+    with pytest.raises(ValueError, match="fp8_gemv takes up to 64 rows of fp8 x with their x_scale"):
+        fp8.fp8_gemv(x, torch.ones(2, 1), weight, scale, 40, torch.float32)
 
 
 def test_fp8_reference_is_close_to_the_unquantized_product():
@@ -140,7 +135,7 @@ def test_gpu_fp8_linear(rows):
 @gpu
 @pytest.mark.parametrize("width", [4096, 14336])
 def test_gpu_rms_norm_quantize_is_quantize_rows_of_rms_norm(width):
-    x, residual, norm_weight, _, _, _ = fp8_inputs(fp8.FP8_GEMV_QUANTIZED_MAX_ROWS, 8, width, torch.bfloat16,
+    x, residual, norm_weight, _, _, _ = fp8_inputs(fp8.FP8_GEMV_MAX_ROWS, 8, width, torch.bfloat16,
                                                     device="cuda")
     assert_rms_norm_quantize_is_quantized_rms_norm(x, residual, norm_weight)
 
@@ -150,8 +145,6 @@ def test_gpu_rms_norm_quantize_is_quantize_rows_of_rms_norm(width):
 def test_gpu_fp8_gemv_replays_in_a_cuda_graph(rows):
     # split K (its arrival counters reset by each launch) and the residual write, replayed
     x, residual, norm_weight, _, weight, scale = fp8_inputs(rows, 6144, 4096, torch.bfloat16, device="cuda")
-    if rows > FP8_GEMV_MAX_ROWS:
-        residual = None
     eager = triton_ops.norm_linear(x, norm_weight, 1e-5, residual, weight, False, scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
