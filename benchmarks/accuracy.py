@@ -112,7 +112,8 @@ def main() -> None:
 
     def core(dtype: torch.dtype = torch.float32, **settings) -> EngineCore:
         model, config = load_model(path, "gguf", "cpu", dtype, load_ops("torch"))
-        return EngineCore.from_model(EngineConfig(model="smollm2", **settings), model, config)
+        return EngineCore.from_model(EngineConfig(model="smollm2", dtype=str(dtype).removeprefix("torch."),
+                                                  **settings), model, config)
 
     def run(candidate: EngineCore) -> list[list[tuple[int, float]]]:
         return generate(candidate, prompts, args.max_tokens, args.one_at_a_time)
@@ -130,6 +131,9 @@ def main() -> None:
         "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
         "int8_weights": dict(quantization="int8"),
         "int4_weights": dict(quantization="int4"),
+        # the quantized weights on the bf16 model (activations, norms, attention and KV in bf16)
+        "int8_weights_bf16": dict(quantization="int8", dtype=torch.bfloat16),
+        "int4_weights_bf16": dict(quantization="int4", dtype=torch.bfloat16),
     }
     for name in args.variants or variants:
         settings = variants[name]
