@@ -29,8 +29,8 @@ engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping 
 through the workloads, a box shared with other work; ``--engines N`` puts N engines behind each
 kvgate gateway, on the same cores.
 
-    python benchmarks/cpu_peers.py [--rounds 2] [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-int4,kvgate-sleeping]
-                                   [--requests 64] [--hogs 0] [--engines 1]
+    python benchmarks/cpu_peers.py [--rounds 2] [--requests 64] [--hogs 0] [--engines 1]
+        [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-int4,kvgate-int8-bf16,kvgate-int4-bf16,kvgate-sleeping]
 """
 
 from __future__ import annotations
@@ -201,6 +201,11 @@ def servers(args, gguf: Path) -> dict[str, Server]:
         "kvgate-int4": Server("kvgate-int4", "int4 weights (groups of 32, scale and minimum), bf16 activations",
                               [*kvgate, "--engine-args", "--quantization int4"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
+        # the quantized weights on the bf16 model: norms, attention and the KV cache in bf16 too
+        **{f"kvgate-{q}-bf16": Server(f"kvgate-{q}-bf16", f"{q} weights, bf16 model",
+                                      [*kvgate, "--engine-args", f"--quantization {q} --dtype bfloat16"],
+                                      extra={"ignore_eos": True}, workloads=("decode_b1", "prefill_2k"))
+           for q in ("int8", "int4")},
     }
     if "vllm" in args.servers:
         venv = install_vllm(args.cache)
