@@ -262,57 +262,6 @@ def _answer(fn: Callable[..., Any], core: EngineCore, args: tuple, reply: Callab
         reply(None, result)
 
 
-class PacedOutbox:
-    """Outputs on their way to the event loop, taken whole, paced: a delivery waits until the event loop's
-    CPU time since the last one is at most ``share`` of the time since (and at most DELIVERY_MAX_WAIT_S),
-    then carries the outputs of every step in between; a request's first tokens and its end go at once.
-    :meth:`add` may be called from any one thread; :meth:`start` and :meth:`flush` run on the event loop."""
-
-    def __init__(self, share: float):
-        self.share = share
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Callable[[StepOutput], None] | None = None
-        self._outbox = StepOutput()  # not yet taken by the event loop
-        self._lock = threading.Lock()
-        self._delivered_at = 0.0  # perf_counter and the loop thread's thread_time at the last delivery
-        self._delivered_cpu = 0.0
-        self._streaming: set[str] = set()  # requests whose first tokens are out (add's thread only)
-
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[StepOutput], None]) -> None:
-        self._loop, self._deliver = loop, deliver
-        self._delivered_at, self._delivered_cpu = time.perf_counter(), time.thread_time()
-
-    def add(self, output: StepOutput) -> None:
-        """The first outputs of an empty outbox schedule its delivery, a request's first tokens or its end
-        one at once."""
-        urgent = False
-        for frame in output.frames:
-            if frame.token_ids and frame.request_id not in self._streaming:
-                self._streaming.add(frame.request_id)
-                urgent = True
-            if frame.finish_reason is not None:
-                self._streaming.discard(frame.request_id)
-                urgent = True
-        with self._lock:
-            scheduled = bool(self._outbox.frames or self._outbox.step_seconds)
-            self._outbox.extend(output)
-        if urgent or not scheduled:
-            self._loop.call_soon_threadsafe(self.flush, not urgent)
-
-    def flush(self, paced: bool = True) -> None:
-        """Deliver everything the outbox holds, once the loop's share allows."""
-        now, cpu = time.perf_counter(), time.thread_time()
-        wait = min(self._delivered_at + (cpu - self._delivered_cpu) / self.share - now, DELIVERY_MAX_WAIT_S)
-        if paced and wait > 0:
-            self._loop.call_later(wait, self.flush, False)
-            return
-        self._delivered_at, self._delivered_cpu = now, cpu
-        with self._lock:
-            output, self._outbox = self._outbox, StepOutput()
-        if output.frames or output.step_seconds:
-            self._deliver(output)
-
-
 class EngineThread:
     """The engine loop in a thread of the HTTP process (``--no-engine-process``), with paced deliveries.
 
@@ -325,9 +274,14 @@ class EngineThread:
         self.limits: ModelLimits | None = None
         self.snapshot: EngineStats | None = None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._deliver: Callable[[StepOutput], None] | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
         self._pending: set[asyncio.Future] = set()  # requests not answered yet
-        self._outbox = PacedOutbox(DELIVERY_LOOP_SHARE)
+        self._outbox = StepOutput()  # not yet taken by the event loop
+        self._outbox_lock = threading.Lock()
+        self._delivered_at = 0.0  # perf_counter and the loop thread's thread_time at the last delivery
+        self._delivered_cpu = 0.0
+        self._streaming: set[str] = set()  # requests whose first tokens are out (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -339,8 +293,8 @@ class EngineThread:
               on_failure: Callable[[BaseException], None]) -> None:
         """Start the engine thread: ``deliver(output)`` after steps and ``on_failure(exc)`` once if the
         engine fails, both on ``loop``."""
-        self._loop, self._on_failure = loop, on_failure
-        self._outbox.start(loop, deliver)
+        self._loop, self._deliver, self._on_failure = loop, deliver, on_failure
+        self._delivered_at, self._delivered_cpu = time.perf_counter(), time.thread_time()
         self._thread.start()
 
     def stop(self) -> None:
@@ -387,12 +341,39 @@ class EngineThread:
         self._loop.call_soon_threadsafe(self._fail_streams, exc)
 
     def post(self, output: StepOutput) -> None:
-        self._outbox.add(output)
+        """Add the output to the outbox; the first frames of an empty outbox schedule its delivery, a
+        request's first tokens or its end one at once."""
+        urgent = False
+        for frame in output.frames:
+            if frame.token_ids and frame.request_id not in self._streaming:
+                self._streaming.add(frame.request_id)
+                urgent = True
+            if frame.finish_reason is not None:
+                self._streaming.discard(frame.request_id)
+                urgent = True
+        with self._outbox_lock:
+            scheduled = bool(self._outbox.frames or self._outbox.step_seconds)
+            self._outbox.extend(output)
+        if urgent or not scheduled:
+            self._loop.call_soon_threadsafe(self._flush, not urgent)
 
     # --- on the event loop ------------------------------------------------------------------------
+    def _flush(self, paced: bool = True) -> None:
+        """Deliver everything the outbox holds, once the loop's share allows."""
+        now, cpu = time.perf_counter(), time.thread_time()
+        wait = min(self._delivered_at + (cpu - self._delivered_cpu) / DELIVERY_LOOP_SHARE - now, DELIVERY_MAX_WAIT_S)
+        if paced and wait > 0:
+            self._loop.call_later(wait, self._flush, False)
+            return
+        self._delivered_at, self._delivered_cpu = now, cpu
+        with self._outbox_lock:
+            output, self._outbox = self._outbox, StepOutput()
+        if output.frames or output.step_seconds:
+            self._deliver(output)
+
     def _fail_streams(self, exc: BaseException) -> None:
         """The frames of the steps before the failure, then the failure's; unanswered requests fail."""
-        self._outbox.flush(paced=False)
+        self._flush(paced=False)
         for future in self._pending:
             _settle(future, exc, None)
         self._on_failure(exc)

@@ -43,14 +43,11 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.logs import configure_logging
-from engine.loop import Abort, Add, Call, Command, EngineLoop, PacedOutbox, StepOutput, Stop
+from engine.loop import Abort, Add, Call, Command, EngineLoop, StepOutput, Stop
 from engine.protocol import EngineStats, GenerateRequest, ModelLimits, OutputFrame, ProtocolError
 
 log = structlog.get_logger("engine.proc")
 
-# The event loop's share of the time while frames flow (engine.loop.PacedOutbox): its CPU no longer takes
-# the engine's GIL, but the HTTP work still competes with the engine's host thread for the box's cores.
-DELIVERY_LOOP_SHARE = 0.03
 _STOP_JOIN_S = 20.0  # the engine process's stop: a tensor-parallel engine stops its ranks first
 _PR_SET_PDEATHSIG = 1
 
@@ -93,7 +90,7 @@ class EngineProcess:
         self.process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox = PacedOutbox(DELIVERY_LOOP_SHARE)
+        self._deliver: Callable[[StepOutput], None] | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
         self._pending: dict[int, asyncio.Future] = {}  # requests by call id
         self._call_ids = itertools.count()
@@ -104,8 +101,7 @@ class EngineProcess:
         the engine fails, both on ``loop``."""
         import torch
 
-        self._loop, self._on_failure = loop, on_failure
-        self._outbox.start(loop, deliver)
+        self._loop, self._deliver, self._on_failure = loop, deliver, on_failure
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -193,12 +189,12 @@ class EngineProcess:
             self._deliver_and_fail(output, RuntimeError(f"engine process exited (code {self.process.exitcode})"))
             return
         if output.frames or output.step_seconds:
-            self._outbox.add(output)
+            self._deliver(output)
 
     def _deliver_and_fail(self, output: StepOutput, exc: BaseException) -> None:
         """The frames of the steps before the failure, then the failure (once: the first one wins)."""
-        self._outbox.add(output)
-        self._outbox.flush(paced=False)
+        if output.frames or output.step_seconds:
+            self._deliver(output)
         if self.failed is not None:
             return
         self.failed = exc

@@ -55,7 +55,8 @@ def setup(monkeypatch):
     failures: list[BaseException] = []
     event_loop = FakeEventLoop()
     engine._loop, engine._on_failure = event_loop, failures.append
-    engine._outbox.start(event_loop, lambda output: delivered.append(output.frames))
+    engine._deliver = lambda output: delivered.append(output.frames)
+    engine._delivered_at, engine._delivered_cpu = clock.wall, clock.cpu
     return engine, clock, event_loop, delivered, failures
 
 
@@ -109,7 +110,7 @@ def test_the_wait_is_bounded_and_an_idle_loop_delivers_at_once(setup):
     hold_a_second_token(setup, 1.0)
     assert event_loop.later[0][0] == DELIVERY_MAX_WAIT_S
     event_loop.later.clear()
-    engine._outbox._outbox = StepOutput()
+    engine._outbox = StepOutput()
     clock.wall += 1.0 / DELIVERY_LOOP_SHARE
     post(engine, [frame("a", 3)])
     event_loop.run_soon()
