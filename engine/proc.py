@@ -2,7 +2,8 @@
 
 One process would share one GIL between the event loop and the engine's step loop: at 64 streams of
 SmolLM2 on the H200 the HTTP work of a step took as long as the step, and the sidecar decoded at 0.71 of the
-offline rate even with paced deliveries (benchmarks/results/served_h200.jsonl). So, as vLLM's API server
+offline rate even with paced deliveries (benchmarks/results/served_h200.jsonl; on an H100 0.73-0.80, and
+0.90 with the engine in its own process: served_h100_process.jsonl). So, as vLLM's API server
 and EngineCoreProc: the parent serves HTTP and spawns (never forks: CUDA) the engine process, whose main
 thread runs :class:`engine.loop.EngineLoop`; a tensor-parallel engine's other ranks are its children.
 
@@ -13,7 +14,10 @@ They talk over a pipe (a socket pair), one msgpack array per message, in the pro
                      ["stats", EngineStats]  ["reply", id, error | None, result]  ["failed", message]
 
 The engine sends a message per step; the event loop reads whatever has arrived when the pipe turns
-readable and delivers it at once (under load several steps a delivery: no pacing is needed). A failure:
+readable and delivers it at once (under load several steps a delivery). Pacing the deliveries as the
+thread host does cut the event loop's CPU at 64 SmolLM2 streams (1.15 -> 0.7 ms a step) but not the
+engine's steps, and the sidecar decoded slower: 0.82 of offline against 0.90 unpaced (H100,
+benchmarks/results/served_h100_process.jsonl). A failure:
 a step that raises, or a dead tensor-parallel rank, is sent as "failed" and ends the engine process; an
 engine process that ends without one (killed, out of memory) is one too. Either way health goes red and
 every open stream ends with an error. The engine process dies with its parent (PR_SET_PDEATHSIG) and
