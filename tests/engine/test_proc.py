@@ -58,6 +58,7 @@ def gone(process: psutil.Process, timeout_s: float = 10) -> bool:
 def test_a_killed_engine_process_ends_every_stream_and_turns_health_red(tmp_path):
     proc, url, engine = start_sidecar(tmp_path)
     try:
+        assert httpx.get(f"{url}/stats").json()["cpu_threads"] == 1  # --cpu-threads reached the engine process
         long = [GenerateRequest(f"long-{i}", list(range(5 + i, 40)), SamplingParams(max_tokens=900, ignore_eos=True))
                 for i in range(2)]
         with httpx.Client(timeout=60) as client:
