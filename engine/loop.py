@@ -311,6 +311,8 @@ class EngineThread:
 
     async def request(self, name: str, *args: Any) -> Any:
         """The named request's (:data:`CALLS`) result; raises its error (or the engine's failure)."""
+        if self.failed is not None:
+            raise self.failed
         future = self._loop.create_future()
         self._pending.add(future)
 
