@@ -24,7 +24,8 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
   served      decode tok/s of the sidecar over HTTP (``python -m engine serve``, driven by the gateway's
               engine client) against the same engine stepped in-process (what ``python -m engine generate``
               runs), Llama-3-8B and SmolLM2 shapes, batch 1 and 64 (128-token prompts, 512 new tokens),
-              with each side's engine milliseconds per step
+              with each side's engine milliseconds per step and the sidecar's CPU per step; the sidecar's
+              engine in its own process and/or a thread of the HTTP process (``--served-engines``)
 Engine sections run under each scheduling mode of ``--scheduling`` on the same engine (one record per
 mode, the peers of each other): ``sync`` (the synchronous loop: the "before"),
 ``async`` (overlapped scheduling: the CUDA default) and ``async+budget`` (overlapped, with a 50 ms mixed-prefill
@@ -36,7 +37,7 @@ is freed. Peers that would not fit in --budget-s are skipped with a line saying 
     python3 benchmarks/gpu_bench.py [--budget-s 420] [--only ttft,decode_b1,...] [--scheduling sync,async]
                                     [--no-peers]
     python3 benchmarks/gpu_bench.py --only fp8 --fp8-dry-run   # the fp8 section on the CPU, tiny
-    python3 benchmarks/gpu_bench.py --served-dry-run           # the served section on the CPU, tiny
+    python3 benchmarks/gpu_bench.py --served-dry-run [--served-engines process,thread]  # served on the CPU, tiny
 """
 
 from __future__ import annotations
@@ -860,6 +861,9 @@ def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda",
 # The served section's sizes (batch, prompt, new tokens, repeats); the dry run (CPU, tiny model) shrinks them.
 SERVED_SIZES = dict(batches=(1, 64), prompt=128, new=512, repeats=3)
 SERVED_DRY_SIZES = dict(batches=(1, 4), prompt=16, new=16, repeats=2)
+# Where the sidecar runs its engine: its own process (the default) or a thread of the HTTP process
+# (--no-engine-process, the sidecar before benchmarks/results/served_h200_process.jsonl).
+SERVED_ENGINES = ("process", "thread")
 
 
 def decode_tok_s(first: dict[str, float], last: dict[str, float], new_tokens: int) -> float:
@@ -879,7 +883,8 @@ class Sidecar:
         from gateway.spawn import free_port
 
         port = free_port()
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+        flags = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else
+                 f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items()]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine", "serve", f"--port={port}", f"--model={model}", "--load-format=dummy",
@@ -904,30 +909,21 @@ class Sidecar:
                     pass
                 await asyncio.sleep(0.2)
 
-    async def counters(self) -> tuple[float, int, float, float]:
+    async def counters(self) -> tuple[float, int, float, float, float]:
         """(busy seconds, steps) of the engine so far, from /metrics, and the CPU seconds of the
-        sidecar's main thread (uvicorn's event loop) and of its other threads (the engine's among them)."""
+        sidecar's main thread (uvicorn's event loop), of its other threads (the engine's, with
+        --no-engine-process) and of its engine process (none with --no-engine-process)."""
         import httpx
 
         async with httpx.AsyncClient() as client:
             text = (await client.get(self.url + "/metrics")).text
         values = dict(line.split(" ", 1) for line in text.splitlines()
                       if line.startswith("kvgate_engine_step_seconds_"))
-        loop_cpu = other_cpu = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                with open(f"/proc/{self.proc.pid}/task/{task}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except FileNotFoundError:  # a thread that just ended
-                continue
-            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-            if int(task) == self.proc.pid:
-                loop_cpu += cpu
-            else:
-                other_cpu += cpu
+        threads = _thread_cpu_seconds(self.proc.pid)
+        loop_cpu = threads.pop(self.proc.pid, 0.0)
+        engine_cpu = sum(sum(_thread_cpu_seconds(pid).values()) for pid in _spawned(self.proc.pid))
         return (float(values["kvgate_engine_step_seconds_sum"]), int(float(values["kvgate_engine_step_seconds_count"])),
-                loop_cpu, other_cpu)
+                loop_cpu, sum(threads.values()), engine_cpu)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -936,6 +932,36 @@ class Sidecar:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each thread of ``pid`` (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        seconds[int(task)] = (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def _spawned(pid: int) -> list[int]:
+    """The processes ``pid`` started through multiprocessing's spawn (an engine process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError):  # not a process, or one that just ended
+            continue
+        if parent == pid and spawned:
+            found.append(int(entry))
+    return found
 
 
 async def served_run(client, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[dict, dict]:
@@ -966,9 +992,11 @@ async def served_run(client, prompts: list[list[int]], new_tokens: int, tag: str
     return first, last
 
 
-def bench_served(name: str, settings: dict, device: str = "cuda", sizes: dict = SERVED_SIZES) -> None:
+def bench_served(name: str, settings: dict, device: str = "cuda", sizes: dict = SERVED_SIZES,
+                 engines: tuple[str, ...] = SERVED_ENGINES[:1]) -> None:
     """Decode tok/s of the sidecar over HTTP against the same engine stepped in-process (what
-    ``python -m engine generate`` runs), same model shape, settings and requests, at each batch."""
+    ``python -m engine generate`` runs), same model shape, settings and requests, at each batch; the
+    sidecar with each of ``engines`` (:data:`SERVED_ENGINES`), the offline peer shared."""
     z = sizes
     prompts = {b: random_prompts(b, z["prompt"], 500 + b) for b in z["batches"]}
     core = make_engine(name, device=device, **settings)
@@ -984,29 +1012,35 @@ def bench_served(name: str, settings: dict, device: str = "cuda", sizes: dict = 
     del core
     if device == "cuda":
         free_cuda()
-    served, cpu = asyncio.run(_served(name, settings, device, prompts, z))
-    for b in z["batches"]:
-        off = statistics.median(rate for rate, _ in offline[b])
-        on = statistics.median(rate for rate, _ in served[b])
-        emit(bench="served", model=name, batch=b, scheduling=mode, prompt_tokens=z["prompt"],
-             new_tokens=z["new"], peer="offline: the same engine stepped in-process (python -m engine generate)",
-             served_tok_s=round(on, 1), offline_tok_s=round(off, 1), ratio=round(on / off, 3),
-             served_runs_tok_s=[round(rate, 1) for rate, _ in served[b]],
-             offline_runs_tok_s=[round(rate, 1) for rate, _ in offline[b]],
-             served_engine_step_ms=[ms for _, ms in served[b]], offline_engine_step_ms=[ms for _, ms in offline[b]],
-             served_loop_thread_cpu_ms_per_step=[ms for ms, _ in cpu[b]],
-             served_other_threads_cpu_ms_per_step=[ms for _, ms in cpu[b]],
-             goal="served >= 0.95 of offline", met=on / off >= 0.95)
+    for engine in engines:
+        served, cpu = asyncio.run(_served(name, settings, device, prompts, z, engine))
+        for b in z["batches"]:
+            emit_served(name, b, mode, engine, z, offline[b], served[b], cpu[b])
 
 
-async def _served(name: str, settings: dict, device: str, prompts: dict, z: dict) -> dict:
+def emit_served(name: str, b: int, mode: str, engine: str, z: dict, offline: list, served: list, cpu: list) -> None:
+    off = statistics.median(rate for rate, _ in offline)
+    on = statistics.median(rate for rate, _ in served)
+    emit(bench="served", model=name, batch=b, scheduling=mode, served_engine=engine, prompt_tokens=z["prompt"],
+         new_tokens=z["new"], peer="offline: the same engine stepped in-process (python -m engine generate)",
+         served_tok_s=round(on, 1), offline_tok_s=round(off, 1), ratio=round(on / off, 3),
+         served_runs_tok_s=[round(rate, 1) for rate, _ in served],
+         offline_runs_tok_s=[round(rate, 1) for rate, _ in offline],
+         served_engine_step_ms=[ms for _, ms in served], offline_engine_step_ms=[ms for _, ms in offline],
+         served_loop_thread_cpu_ms_per_step=[ms for ms, _, _ in cpu],
+         served_other_threads_cpu_ms_per_step=[ms for _, ms, _ in cpu],
+         served_engine_process_cpu_ms_per_step=[ms for _, _, ms in cpu],
+         goal="served >= 0.95 of offline", met=on / off >= 0.95)
+
+
+async def _served(name: str, settings: dict, device: str, prompts: dict, z: dict, engine: str) -> tuple[dict, dict]:
     import httpx
 
     from gateway.engine_client import EngineClient
 
-    sidecar = Sidecar(name, device, settings)
+    sidecar = Sidecar(name, device, {**settings, "engine_process": engine == "process"})
     served: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
-    cpu: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
+    cpu: dict[int, list[tuple[float, float, float]]] = {b: [] for b in z["batches"]}
     try:
         await sidecar.wait_ready()
         transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
@@ -1016,9 +1050,9 @@ async def _served(name: str, settings: dict, device: str, prompts: dict, z: dict
             for b in z["batches"]:
                 before = await sidecar.counters()
                 first, last = await served_run(client, prompts[b], z["new"], f"srv-on{r}-{b}-")
-                busy, steps, loop_cpu, other_cpu = (a - b for a, b in zip(await sidecar.counters(), before))
+                busy, steps, *cpu_seconds = (a - b for a, b in zip(await sidecar.counters(), before))
                 served[b].append((decode_tok_s(first, last, z["new"]), step_ms(busy, steps)))
-                cpu[b].append((step_ms(loop_cpu, steps), step_ms(other_cpu, steps)))
+                cpu[b].append(tuple(step_ms(seconds, steps) for seconds in cpu_seconds))
         await transport.aclose()
     finally:
         sidecar.close()
@@ -1041,15 +1075,23 @@ def main() -> None:
                         help="run the fp8 section alone on the CPU with the tiny model and tiny sizes")
     parser.add_argument("--served-dry-run", action="store_true",
                         help="run the served section alone on the CPU with the tiny model and tiny sizes")
+    parser.add_argument("--served-engines", default=SERVED_ENGINES[0],
+                        help=f"comma-separated subset of {','.join(SERVED_ENGINES)}: where the served section's "
+                             f"sidecar runs its engine (default: {SERVED_ENGINES[0]})")
     args = parser.parse_args()
     if args.fp8_dry_run:
         configure_logging("WARNING")
         bench_fp8("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), bandwidth=1e11, device="cpu",
                   sizes=FP8_DRY_SIZES)
         return
+    served_engines = tuple(args.served_engines.split(","))
+    if set(served_engines) - set(SERVED_ENGINES):
+        sys.exit(f"unknown served engines {sorted(set(served_engines) - set(SERVED_ENGINES))}; choose from "
+                 f"{SERVED_ENGINES}")
     if args.served_dry_run:
         configure_logging("WARNING")
-        bench_served("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), device="cpu", sizes=SERVED_DRY_SIZES)
+        bench_served("tiny", dict(max_num_seqs=8, max_num_batched_tokens=256), device="cpu", sizes=SERVED_DRY_SIZES,
+                     engines=served_engines)
         return
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device")
@@ -1084,7 +1126,7 @@ def main() -> None:
         guarded("offline", lambda: bench_offline(bandwidth, peak, budget, modes))
     for name, max_len in (("llama3-8b", 8192), (small, 2048)):
         if "served" in sections and name in models and budget.allows("served", "ours", 40):
-            guarded("served", lambda: bench_served(name, {**engine, "max_model_len": max_len}))
+            guarded("served", lambda: bench_served(name, {**engine, "max_model_len": max_len}, engines=served_engines))
     emit(bench="done", seconds=round(time.perf_counter() - START, 1))
 
 

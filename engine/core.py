@@ -43,6 +43,7 @@ from engine.protocol import (
     ProtocolError,
     SamplingParams,
     StructuredOutput,
+    check_fits,
 )
 from engine.request import Sequence, Status
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -139,7 +140,10 @@ class EngineCore:
         )
         self.async_scheduling = config.resolved_async_scheduling
         self._in_flight: tuple[list[ScheduledSeq], LaunchedStep] | None = None  # step N, while N+1 is planned
-        self.limits = ModelLimits(model_config.vocab_size, self.max_model_len)
+        # the longest sequence the pool holds (a hybrid pool's window groups keep their window only)
+        max_kv_tokens = bisect.bisect_right(range(self.max_model_len + 1), self.kv.num_blocks,
+                                            key=self.kv.blocks_needed) - 1
+        self.limits = ModelLimits(model_config.vocab_size, self.max_model_len, max_kv_tokens)
         self.requests: dict[str, list[Sequence]] = {}
         self._queued_at: dict[str, float] = {}  # requests not scheduled yet
         self._queue_times: list[float] = []  # seconds from arrival to first step, until taken
@@ -233,21 +237,7 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------
     def check_admissible(self, request: GenerateRequest) -> None:
         """Raise ProtocolError if ``request`` can never run here. Reads only immutable state."""
-        total = len(request.prompt_ids) + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ProtocolError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
-            # the longest sequence the pool holds (a hybrid pool's window groups keep their window only)
-            capacity = bisect.bisect_right(range(total), self.kv.num_blocks, key=self.kv.blocks_needed) - 1
-            raise ProtocolError(
-                f"prompt + max_tokens ({total} tokens) needs more KV cache than this engine has "
-                f"({capacity} tokens)",
-                "max_tokens",
-            )
+        check_fits(self.limits, len(request.prompt_ids), request.sampling.max_tokens)
 
     def compile_structured(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         """Compile ``spec`` against the model's vocabulary (a cache hit once compiled); raises

@@ -160,6 +160,15 @@ class GenerateRequest:
     def pack(self) -> bytes:
         return msgpack.packb(self.to_wire())
 
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> GenerateRequest:
+        """The request :meth:`to_wire` gave, unchecked: for a request validated already (the sidecar's
+        engine process receives these); anything else goes through :func:`parse_generate_request`."""
+        sampling = SamplingParams(**wire["sampling"])
+        if sampling.structured is not None:
+            sampling.structured = StructuredOutput(**sampling.structured)
+        return cls(wire["request_id"], wire["prompt_ids"], sampling, wire["salt"], wire["cache_boundaries"])
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -257,6 +266,9 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
+    # The longest sequence (prompt + max_tokens) the engine's KV pool holds; None: no bound but max_model_len
+    # (what a gateway knows).
+    max_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +400,24 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerateRequest)}
 
 
+def check_fits(limits: ModelLimits, prompt_len: int, max_tokens: int) -> None:
+    """Raise ProtocolError (naming max_tokens) if a sequence of ``prompt_len + max_tokens`` tokens exceeds
+    the context or the KV pool."""
+    total = prompt_len + max_tokens
+    if total > limits.max_model_len:
+        raise ProtocolError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context length of {limits.max_model_len} tokens",
+            "max_tokens",
+        )
+    if limits.max_kv_tokens is not None and total > limits.max_kv_tokens:
+        raise ProtocolError(
+            f"prompt + max_tokens ({total} tokens) needs more KV cache than this engine has "
+            f"({limits.max_kv_tokens} tokens)",
+            "max_tokens",
+        )
+
+
 def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingParams:
     if not isinstance(wire, dict):
         raise ProtocolError("sampling must be a map", "sampling")
@@ -397,12 +427,7 @@ def parse_sampling(wire: Any, limits: ModelLimits, prompt_len: int) -> SamplingP
     p = SamplingParams()
     if "max_tokens" in wire:
         p.max_tokens = _check_int(wire["max_tokens"], "max_tokens", lo=1)
-    if prompt_len + p.max_tokens > limits.max_model_len:
-        raise ProtocolError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
-            f"context length of {limits.max_model_len} tokens",
-            "max_tokens",
-        )
+    check_fits(limits, prompt_len, p.max_tokens)
     for name, (lo, hi) in FLOAT_BOUNDS.items():
         if name in wire:
             setattr(p, name, _check_float(wire[name], name, lo, hi))

@@ -1,13 +1,13 @@
-"""The engine sidecar: HTTP in the event loop's thread, the engine loop in its own thread.
+"""The engine sidecar's HTTP side: the routes, the open streams and the metrics.
 
 With a token, every endpoint but /health wants ``Authorization: Bearer <token>`` (:class:`TokenAuth`):
 a request's salt is a tenant's cache, so whoever may call /generate may read it.
 
-The two meet through :class:`engine.loop.EngineLoop`: a command queue (HTTP → engine) and an
-outbox of frames that the event loop takes whole, paced (engine → HTTP): each stream gets its frames
-of a delivery as one list, merged into one frame per sequence, so HTTP work never runs inside a step
-and a stream writes once per delivery.
-:class:`Sidecar` holds the handlers and the open streams.
+The engine runs elsewhere: in a process of its own (:class:`engine.proc.EngineProcess`, the default) or
+in a thread of this one (:class:`engine.loop.EngineThread`, ``--no-engine-process``). Either takes
+commands (submit, abort, named requests) and delivers :class:`engine.loop.StepOutput` on the event loop:
+each stream gets its frames of a delivery as one list, merged into one frame per sequence, so a stream
+writes once per delivery. :class:`Sidecar` holds the handlers and the open streams.
 """
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.loop import EngineLoop
+from engine.loop import EngineThread, StepOutput
 from engine.metrics import Metrics
+from engine.proc import EngineProcess
 from engine.protocol import MSGPACK, GenerateRequest, OutputFrame, ProtocolError, unpack_generate_request
 
 log = structlog.get_logger("engine.server")
 
 
 class _Stream:
-    """The event-loop side of one request: frames arrive here from the engine thread."""
+    """The event-loop side of one request: frames arrive here from the engine."""
 
     __slots__ = ("frames", "open_indices", "arrival", "first_token_at", "prompt_len", "cached", "generated",
                  "last_token_at")
@@ -62,7 +63,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class Sidecar:
     """The HTTP side of one engine: its routes, the open streams and the metrics."""
 
-    def __init__(self, engine: EngineLoop, metrics: Metrics):
+    def __init__(self, engine: EngineProcess | EngineThread, metrics: Metrics):
         self.engine = engine
         self.metrics = metrics
         self.streams: dict[str, _Stream] = {}
@@ -83,9 +84,15 @@ class Sidecar:
         yield
         self.engine.stop()
 
-    def _deliver(self, frames: list[OutputFrame]) -> None:
+    def _deliver(self, output: StepOutput) -> None:
+        metrics = self.metrics
+        for seconds in output.step_seconds:
+            metrics.step_seconds.observe(seconds)
+        metrics.steps.inc(len(output.step_seconds))
+        for seconds in output.queue_seconds:
+            metrics.queue_time.observe(seconds)
         by_request: dict[str, list[OutputFrame]] = {}
-        for frame in frames:
+        for frame in output.frames:
             by_request.setdefault(frame.request_id, []).append(frame)
         for request_id, chunk in by_request.items():
             stream = self.streams.get(request_id)
@@ -111,17 +118,19 @@ class Sidecar:
     async def generate(self, request: Request) -> Response:
         if (resp := self._not_ready()) is not None:
             return resp
-        core = self.engine.core
         body = await request.body()
         try:
-            gen = unpack_generate_request(body, core.limits)
-            core.check_admissible(gen)
+            gen = unpack_generate_request(body, self.engine.limits)
             if gen.sampling.structured is not None:
-                # Compiled off both loops; the engine thread then finds it in the compiler's cache.
-                await asyncio.to_thread(core.compile_structured, gen.sampling.structured)
+                # Compiled off the step loop; the engine then finds it in the compiler's cache.
+                await self.engine.request("compile", gen.sampling.structured.to_wire())
         except ProtocolError as exc:
             log.info("generate_rejected", status=400, error=exc.message, param=exc.param)
             return error_response(400, exc.message, exc.param)
+        except Exception:
+            if self.engine.failed is None:
+                raise
+            return self._not_ready()  # the engine's failure ended the request
         if gen.request_id in self.streams:
             return error_response(400, f"request_id {gen.request_id!r} is already running", "request_id")
         if (resp := self._not_ready()) is not None:  # failed while this request was read: nothing would end it
@@ -207,11 +216,14 @@ class Sidecar:
         if (resp := self._not_ready()) is not None:
             return resp
         try:
-            counts, host = await self.engine.call(lambda core: (core.check_integrity(), core.check_host_integrity()))
+            return JSONResponse(await self.engine.request("integrity"))
         except AssertionError as exc:
             log.error("integrity_check_failed", error=str(exc))
             return JSONResponse({"ok": False, "error": str(exc)}, status_code=500)
-        return JSONResponse({"ok": True, **counts._asdict(), "host": host._asdict() if host is not None else None})
+        except Exception:
+            if self.engine.failed is None:
+                raise
+            return self._not_ready()  # the engine's failure ended the request
 
     async def prometheus(self, request: Request) -> Response:
         snap = self.engine.snapshot
@@ -251,33 +263,22 @@ def is_loopback(host: str) -> bool:
 
 
 def build_app(config: EngineConfig, make_core: Callable[[], EngineCore] | None = None,
-              token: str | None = None) -> ASGIApp:
-    """The sidecar's app, behind ``token`` when given; without ``make_core`` the core comes from ``config``
-    (with ``tensor_parallel_size`` > 1: rank 0 of a tensor-parallel engine, stopped with the app)."""
+              token: str | None = None, engine_process: bool = True) -> ASGIApp:
+    """The sidecar's app, behind ``token`` when given. The engine runs in a process of its own, or with
+    ``engine_process=False`` in a thread of this one; its core comes from ``make_core`` (in an engine
+    process a module-level function, run there), else from ``config`` (with ``tensor_parallel_size`` > 1
+    rank 0 of a tensor-parallel engine, whose ranks it starts)."""
     metrics = Metrics(config.served_name)
-    ranks = None
-    if make_core is None and config.tensor_parallel_size > 1:
-        from engine.parallel import TensorParallelRanks
-
-        ranks = TensorParallelRanks(config, on_failure=lambda exc: engine.fail(exc))
-        make_core = ranks.build_core
-    engine = EngineLoop(make_core or (lambda: EngineCore.from_config(config)), metrics, config)
+    engine = (EngineProcess if engine_process else EngineThread)(config, make_core)
     if config.speculative is not None:
         metrics.add_spec_decode(lambda: engine.snapshot)
     sidecar = Sidecar(engine, metrics)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with sidecar.lifespan(app):
-            yield
-        if ranks is not None:
-            ranks.close()
-
-    app = Starlette(routes=sidecar.routes(), lifespan=lifespan)
+    app = Starlette(routes=sidecar.routes(), lifespan=sidecar.lifespan)
     return TokenAuth(app, token) if token is not None else app
 
 
-def serve(config: EngineConfig, host: str, port: int, token: str | None) -> None:
+def serve(config: EngineConfig, host: str, port: int, token: str | None, engine_process: bool = True) -> None:
     import uvicorn
 
-    uvicorn.run(build_app(config, token=token), host=host, port=port, log_config=None, access_log=False)
+    uvicorn.run(build_app(config, token=token, engine_process=engine_process), host=host, port=port,
+                log_config=None, access_log=False)

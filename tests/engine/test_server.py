@@ -1,4 +1,5 @@
-"""The sidecar over real HTTP: streaming frames, bad input, abort and stream close free blocks."""
+"""The sidecar over real HTTP: streaming frames, bad input, abort and stream close free blocks, the
+engine's step timings in /metrics; with the engine in its own process (the default) and in a thread."""
 
 import os
 import socket
@@ -21,9 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[[], ["--async-scheduling"]], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[[], ["--async-scheduling"], ["--no-engine-process"]],
+                ids=["sync", "async", "thread"])
 def engine_url(tmp_path_factory, request):
-    """A tiny sidecar; every test runs against the synchronous loop and the overlapped one."""
+    """A tiny sidecar; every test runs against the synchronous loop and the overlapped one in an engine
+    process, and the synchronous one in a thread of the HTTP process."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"
     log = open(log_path, "w")
@@ -166,3 +169,25 @@ def test_abort_endpoint_and_stream_close_free_every_block(engine_url):
     assert [m["finish_reason"] for m in unpacker][-1] == "abort"
     assert_all_blocks_free(engine_url)
     assert httpx.post(f"{engine_url}/abort", content=b"nope").status_code == 400
+
+
+
+def engine_metrics(url) -> dict[str, float]:
+    """The unlabelled kvgate_engine_* samples of /metrics."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return {name: float(value) for name, value in (line.split(" ") for line in lines if line.startswith("kvgate_"))}
+
+
+def test_the_engines_step_timings_and_stats_reach_the_http_side(engine_url):
+    before = engine_metrics(engine_url)
+    req = GenerateRequest("timed", list(range(500, 520)), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert sum(len(f.token_ids) for f in frames_of(post(engine_url, req.pack()))) == 6
+    stats = wait_idle(engine_url)
+    after = engine_metrics(engine_url)
+    steps = after["kvgate_engine_steps_total"] - before["kvgate_engine_steps_total"]
+    assert steps >= 6  # a prefill, then a step per token after the first
+    assert after["kvgate_engine_step_seconds_count"] - before["kvgate_engine_step_seconds_count"] == steps
+    assert after["kvgate_engine_step_seconds_sum"] > before["kvgate_engine_step_seconds_sum"]
+    assert after["kvgate_engine_request_queue_time_seconds_count"] == \
+        before["kvgate_engine_request_queue_time_seconds_count"] + 1
+    assert stats["total_computed_tokens"] >= 20 + 5 and stats["total_busy_seconds"] > 0

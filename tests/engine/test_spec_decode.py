@@ -416,7 +416,7 @@ def test_stats_carry_the_counters_over_the_wire(tiny):
 
 def test_the_sidecar_exports_the_counters_under_vllm_names(tiny):
     config = EngineConfig(model="tiny", speculative="ngram")
-    app = build_app(config, make_core=lambda: tiny_engine(tiny, spec=True))
+    app = build_app(config, make_core=lambda: tiny_engine(tiny, spec=True), engine_process=False)
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
         while (health := client.get("/health")).status_code != 200:  # the engine thread warms up

@@ -8,6 +8,7 @@ byte-level vocabulary of its vocab size.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -17,6 +18,7 @@ import msgpack
 import pytest
 import torch
 import xgrammar as xgr
+from paged import peaky_tiny
 from starlette.testclient import TestClient
 
 from engine.config import EngineConfig
@@ -356,10 +358,19 @@ def post(client: TestClient, request: GenerateRequest):
     return client.post("/generate", content=request.pack(), headers={"content-type": MSGPACK})
 
 
+def _sidecar_core(has_vocabulary: bool) -> EngineCore:
+    """The tiny core a sidecar test serves (module-level: an engine process builds it)."""
+    tiny = peaky_tiny()
+    info = synthetic_tokenizer_info(tiny[1].vocab_size, tiny[1].eos_token_ids[0]) if has_vocabulary else None
+    return tiny_core(tiny, info, num_kv_blocks=256)
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "thread"])
 @pytest.mark.parametrize("has_vocabulary", [True, False])
-def test_the_sidecar_answers_400_before_any_stream_for_a_spec_it_cannot_compile(tiny, tiny_info, has_vocabulary):
-    info = tiny_info if has_vocabulary else None
-    app = build_app(EngineConfig(model="tiny"), make_core=lambda: tiny_core(tiny, info, num_kv_blocks=256))
+def test_the_sidecar_answers_400_before_any_stream_for_a_spec_it_cannot_compile(tiny_info, has_vocabulary,
+                                                                                 engine_process):
+    app = build_app(EngineConfig(model="tiny"), make_core=functools.partial(_sidecar_core, has_vocabulary),
+                    engine_process=engine_process)
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
         while (health := client.get("/health")).status_code != 200:  # the engine thread warms up

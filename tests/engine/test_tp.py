@@ -5,6 +5,7 @@ prompts, and a follower killed under load."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -209,21 +210,25 @@ def test_tp2_engine_greedy_identical_smollm2(gguf_path):
     assert max_diff < 1e-3
 
 
-def test_a_dead_rank_fails_the_engine(tmp_path):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "thread"])
+def test_a_dead_rank_fails_the_engine(tmp_path, engine_process):
     """Kill the follower mid-request: the request ends with an error, health goes red, new requests
-    get 503, and the engine process still answers and exits, all in bounded time."""
+    get 503, and the sidecar still answers and exits, all in bounded time. Rank 0 is the engine process
+    (the follower its child), or the HTTP process itself."""
     port = free_port()
     log_path = tmp_path / "engine.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model", "tiny", "--load-format",
-             "dummy", "--num-kv-blocks", "128", "--tensor-parallel-size", "2", "--cpu-threads", "1"],
+             "dummy", "--num-kv-blocks", "128", "--tensor-parallel-size", "2", "--cpu-threads", "1",
+             "--engine-process" if engine_process else "--no-engine-process"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, log_path)
-        follower = next(c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline()))
+        rank0 = spawned_children(proc.pid)[0] if engine_process else psutil.Process(proc.pid)
+        follower = spawned_children(rank0.pid)[0]
         request = GenerateRequest("long", list(range(5, 40)), SamplingParams(max_tokens=980, ignore_eos=True,
                                                                                temperature=0.0))
         start = time.time()
@@ -248,6 +253,12 @@ def test_a_dead_rank_fails_the_engine(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    assert not rank0.is_running() or rank0.status() == psutil.STATUS_ZOMBIE
+
+
+def spawned_children(pid: int) -> list[psutil.Process]:
+    """The processes ``pid`` spawned through multiprocessing (not its resource tracker)."""
+    return [c for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
@@ -272,11 +283,15 @@ class _FaultyRunner(ModelRunner):
         return super().launch(scheduled, previous)
 
 
-def test_a_step_that_raises_fails_the_engine_and_ends_its_requests():
+def _faulty_core(config: EngineConfig) -> EngineCore:
     model, model_config = peaky_tiny()
-    runner = _FaultyRunner(model, model_config, torch.device("cpu"), torch.float32, 16, 8, 1024)
+    return EngineCore(config, _FaultyRunner(model, model_config, torch.device("cpu"), torch.float32, 16, 8, 1024))
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "thread"])
+def test_a_step_that_raises_fails_the_engine_and_ends_its_requests(engine_process):
     config = EngineConfig(model="tiny", num_kv_blocks=64)
-    app = build_app(config, make_core=lambda: EngineCore(config, runner))
+    app = build_app(config, make_core=functools.partial(_faulty_core, config), engine_process=engine_process)
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
         while (health := client.get("/health")).status_code != 200:  # the engine thread warms up
