@@ -25,12 +25,14 @@ extensions (the AVX/AVX-512 ones it reports) but without AMX: ggml's AMX matmul 
 Q4_1 model on a Sapphire Rapids VM (llama-cpp-python 0.3.36).
 
 ``kvgate-sleeping`` is kvgate with sleeping OpenMP workers (``OMP_WAIT_POLICY=PASSIVE``, the
-engine's setting before its thread governor); ``--hogs N`` keeps N busy-looping processes running
+engine's setting before its thread governor); ``kvgate-thread`` runs the engine as a thread of the
+sidecar's HTTP process (``--no-engine-process``); ``--hogs N`` keeps N busy-looping processes running
 through the workloads, a box shared with other work; ``--engines N`` puts N engines behind each
 kvgate gateway, on the same cores.
 
     python benchmarks/cpu_peers.py [--rounds 2] [--requests 64] [--hogs 0] [--engines 1]
-        [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-int4,kvgate-int8-bf16,kvgate-int4-bf16,kvgate-sleeping]
+        [--servers kvgate,vllm,llamacpp,kvgate-int8,kvgate-int4,kvgate-int8-bf16,kvgate-int4-bf16,
+                   kvgate-sleeping,kvgate-thread]
 """
 
 from __future__ import annotations
@@ -201,6 +203,9 @@ def servers(args, gguf: Path) -> dict[str, Server]:
         "kvgate-int4": Server("kvgate-int4", "int4 weights (groups of 32, scale and minimum), bf16 activations",
                               [*kvgate, "--engine-args", "--quantization int4"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
+        # the engine thread in the HTTP server's process (`engine serve --no-engine-process`)
+        "kvgate-thread": Server("kvgate-thread", "fp32", [*kvgate, "--engine-args", "--no-engine-process"],
+                                extra={"ignore_eos": True}),
         # the quantized weights on the bf16 model: norms, attention and the KV cache in bf16 too
         **{f"kvgate-{q}-bf16": Server(f"kvgate-{q}-bf16", f"{q} weights, bf16 model",
                                       [*kvgate, "--engine-args", f"--quantization {q} --dtype bfloat16"],
