@@ -204,7 +204,7 @@ def servers(args, gguf: Path) -> dict[str, Server]:
                               [*kvgate, "--engine-args", "--quantization int4"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
         # the engine thread in the HTTP server's process (`engine serve --no-engine-process`)
-        "kvgate-thread": Server("kvgate-thread", "fp32", [*kvgate, "--engine-args", "--no-engine-process"],
+        "kvgate-thread": Server("kvgate-thread", "fp32", [*kvgate, "--engine-args=--no-engine-process"],
                                 extra={"ignore_eos": True}),
         # the quantized weights on the bf16 model: norms, attention and the KV cache in bf16 too
         **{f"kvgate-{q}-bf16": Server(f"kvgate-{q}-bf16", f"{q} weights, bf16 model",
