@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import DUMMY_CONFIGS
-from engine.models.cpu import PACK_ROWS, Int4
+from engine.models.cpu import INT4_GROUP, PACK_ROWS, Int4
 from loadtest.stamp import emit
 
 
@@ -91,8 +91,13 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
             fp32_bytes // 4),
         "int8 _weight_int8pack_mm (fp32 x)": (
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
+        "int8 widened to bf16 (bf16 x)": (
+            lambda: [F.linear(xs_bf16[q.shape[1]], q.to(torch.bfloat16)) * s for q, s in int8_bf16], fp32_bytes // 4),
         "int4 _weight_int4pack_mm_for_cpu (bf16 x)": (
-            lambda: [m(xs_bf16[m.weight.shape[1] * 2]) for m in int4], fp32_bytes // 8),
+            lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs_bf16[m.weight.shape[1] * 2], m.weight, INT4_GROUP,
+                                                                 m.scales_and_zeros) for m in int4], fp32_bytes // 8),
+        "int4 widened to bf16 (bf16 x)": (
+            lambda: [F.linear(xs_bf16[m.weight.shape[1] * 2], m.widened()) for m in int4], fp32_bytes // 8),
     }
 
 

@@ -16,8 +16,8 @@ that its op set calls instead of ``F.linear``.
 - int4 (``quantize``): weight-only 4-bit weights in groups of 32 input columns, each group over
   its own scale and minimum (``w = q * scale + min``, ``q`` in 0..15: the form of a GGUF Q4_1
   block), multiplied by torch's int4 weight-pack kernel over bf16 activations; the LM head in int8. Half
-  of int8's weight bytes: at one row the 121 matmuls of SmolLM2 take 5.4 ms against int8's 10.6 on
-  2 Xeon cores (``benchmarks/cpu_profile.py matmul``).
+  of int8's weight bytes: at one row SmolLM2's 121 matmuls take 6.0 ms against int8's 10.7 and fp32
+  ``x @ Wt``'s 19.0 on 2 Xeon cores (``benchmarks/cpu_profile.py matmul``, cpu_profile_matmul_int4.jsonl).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ TRANSPOSED_MAX_ROWS = 1
 PACK_ROWS = 64
 INT4_GROUP = 32  # input columns per int4 scale and minimum (a GGUF Q4_0/Q4_1 block)
 # Where the CPU multiplies bf16 natively (AVX512-BF16, AMX), quantized products of many rows widen the
-# weights to bf16 on the way, for torch's bf16 matmul (oneDNN): at 512 rows of SmolLM2's gate_up (one
-# thread, a Xeon with AMX) int8 2.7 ms against its weight-pack kernel's 23, int4 6.7 against 21 (the
-# unpacking costs more); fp32's oneDNN-packed product takes 15. The crossings, measured the same way:
-# int8 from 16 rows, int4 from 128. Fewer rows read the packed weights (a decode step: the weights' bytes).
+# weights to bf16 on the way, for torch's bf16 matmul (oneDNN): SmolLM2's 121 matmuls at 512 rows (2 cores
+# of a Xeon with AMX; cpu_profile_matmul_int4.jsonl) take int8 133 ms against its weight-pack kernel's 863,
+# int4 245 against 785 (the unpacking costs more), fp32's oneDNN-packed product 418. The crossings (gate_up,
+# one thread): int8 from 16 rows, int4 from 128. Fewer rows read the packed weights (a decode step: bytes).
 NATIVE_BF16 = bool(torch.cpu.get_capabilities().get("avx512_bf16", False))
 
 
@@ -181,7 +181,7 @@ def quantize(model: CausalLM, quantization: str) -> CausalLM:
 
 # quantization -> the matmul types of the projections and of the LM head. With int4 projections the head
 # is int8, as in llama.cpp's 4-bit files (SmolLM2's Q4_1 GGUF: Q8_0 embeddings): a 4-bit head cost greedy
-# agreement with fp32 on SmolLM2 0.43 -> 0.22 (benchmarks/accuracy.py), its matmuls being otherwise
+# agreement with fp32 on SmolLM2 0.69 -> 0.22 (accuracy_smollm2_int4_cpu.jsonl), its projections being
 # closer to fp32 than int8's (0.3 % against 0.9 % relative error on the GGUF's Q4_1 weights).
 QUANTIZED = {"int8": (Int8, Int8), "int4": (Int4, Int8)}
 
@@ -190,8 +190,11 @@ def cpu_matmuls(model: CausalLM, quantization: str, dtype: torch.dtype) -> str |
     """Apply the CPU matmul path of ``quantization`` and ``dtype`` to a loaded single-device CPU
     model: int8 or int4 weights, or the transposed layout for fp32 ones; returns which (None: neither)."""
     if quantization in QUANTIZED:
-        if quantized_as(model) != quantization:  # else quantized before: its weights are quantized already
+        done = quantized_as(model)  # an engine built before on the same model quantized it already
+        if done is None:
             quantize(model, quantization)
+        elif done != quantization:
+            raise ValueError(f"the model's weights are quantized to {done} already, not {quantization}")
         return quantization
     if quantization == "none" and dtype == torch.float32:
         transpose_weights(model)

@@ -127,6 +127,9 @@ def test_engine_applies_the_cpu_matmul_path(tiny, quantization, weight_dtype, le
     assert torch.nn.functional.cosine_similarity(exact, approx).item() > least_cosine
     with pytest.raises(ValueError, match=f"quantization {quantization} runs on the CPU only"):
         EngineConfig(model="tiny", quantization=quantization, device="cuda")
+    other = "int4" if quantization == "int8" else "int8"  # an engine built again on the quantized model
+    with pytest.raises(ValueError, match=f"quantized to {quantization} already, not {other}"):
+        EngineCore.from_model(EngineConfig(model="tiny", quantization=other), quantized.runner.model, tiny[1])
 
 
 @pytest.mark.slow
