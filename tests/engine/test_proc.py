@@ -13,7 +13,7 @@ import httpx
 import msgpack
 import psutil
 import pytest
-from test_server import ROOT, free_port, post
+from test_server import ROOT, free_port, post, wait_ready
 from test_tp import spawned_children
 
 from engine.protocol import GenerateRequest, OutputFrame, SamplingParams, StructuredOutput
@@ -30,16 +30,8 @@ def start_sidecar(tmp_path) -> tuple[subprocess.Popen, str, psutil.Process]:
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url, spawned_children(proc.pid)[0]
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log_path.read_text()
-        time.sleep(0.2)
-    raise TimeoutError(log_path.read_text())
+    wait_ready(url, proc, log_path)
+    return proc, url, spawned_children(proc.pid)[0]
 
 
 def gone(process: psutil.Process, timeout_s: float = 10) -> bool:

@@ -22,6 +22,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
+    """Wait until the sidecar at ``url`` (process ``proc``, logging to ``log_path``) reports healthy."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log_path.read_text()
+        time.sleep(0.2)
+    raise TimeoutError(log_path.read_text())
+
+
 @pytest.fixture(scope="module", params=[[], ["--async-scheduling"], ["--no-engine-process"]],
                 ids=["sync", "async", "thread"])
 def engine_url(tmp_path_factory, request):
@@ -37,17 +51,7 @@ def engine_url(tmp_path_factory, request):
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log_path.read_text()
-        time.sleep(0.2)
-    else:
-        raise TimeoutError(log_path.read_text())
+    wait_ready(url, proc, log_path)
     yield url
     proc.terminate()
     proc.wait(timeout=10)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from paged import PagedKV, peaky_tiny
 from starlette.testclient import TestClient
 from test_families import save_hf
-from test_server import ROOT, free_port, post
+from test_server import ROOT, free_port, post, wait_ready
 
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.core import EngineCore
@@ -226,7 +226,7 @@ def test_a_dead_rank_fails_the_engine(tmp_path, engine_process):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, log_path)
+        wait_ready(url, proc, log_path)
         rank0 = spawned_children(proc.pid)[0] if engine_process else psutil.Process(proc.pid)
         follower = spawned_children(rank0.pid)[0]
         request = GenerateRequest("long", list(range(5, 40)), SamplingParams(max_tokens=980, ignore_eos=True,
@@ -259,19 +259,6 @@ def test_a_dead_rank_fails_the_engine(tmp_path, engine_process):
 def spawned_children(pid: int) -> list[psutil.Process]:
     """The processes ``pid`` spawned through multiprocessing (not its resource tracker)."""
     return [c for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log_path.read_text()
-        time.sleep(0.2)
-    raise TimeoutError(log_path.read_text())
 
 
 class _FaultyRunner(ModelRunner):
