@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import int8_gemv
 from engine.models.layers import CausalLM
 from kernels import KernelOps
 
@@ -34,6 +35,8 @@ TRANSPOSED_MAX_ROWS = 1
 # The row count oneDNN packs the weights for: between a decode batch and a prefill chunk (the packed
 # product is 1.5-2x F.linear's speed at 8-256 rows whichever of 1, 64 or the exact count it was packed for).
 PACK_ROWS = 64
+# Int8 products of at most this many rows use kvgate's kernel (engine.models.int8_gemv), where it builds.
+GEMV_MAX_ROWS = 8
 INT4_GROUP = 32  # input columns per int4 scale and minimum (a GGUF Q4_0/Q4_1 block)
 # Where the CPU multiplies bf16 natively (AVX512-BF16, AMX), quantized products of many rows widen the
 # weights to bf16 on the way, for torch's bf16 matmul (oneDNN): SmolLM2's 121 matmuls at 512 rows (2 cores
@@ -62,17 +65,23 @@ class Fp32Matmul:
 
 
 class Int8:
-    """``x @ w.T`` for int8 ``w [out, in]`` over per-output-channel ``scale``, in ``x``'s dtype."""
+    """``x @ w.T`` for int8 ``w [out, in]`` over per-output-channel ``scale``, in ``x``'s dtype:
+    up to ``GEMV_MAX_ROWS`` rows through kvgate's own kernel (``engine.models.int8_gemv``: fp32
+    rows, each row's result whatever the batch), more through torch's (bf16 rows)."""
 
     widen_min_rows = 16
 
     def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.float().contiguous()  # (a transposed layout's weight is a transposed view; the kernel reads rows)
+        w = weight.float().contiguous()  # (a transposed layout's weight is a transposed view; the kernels read rows)
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         self.weight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scale = scale.to(torch.bfloat16)  # the kernel takes scales in the activations' dtype
+        self.scale = scale.to(torch.bfloat16)  # torch's kernel takes scales in the activations' dtype
+        self.scale_fp32 = self.scale.float()  # the same values for kvgate's kernel
+        self.gemv = int8_gemv.load()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return self.gemv(x.float().contiguous(), self.weight, self.scale_fp32).to(x.dtype)
         if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
             return (F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scale).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scale)
@@ -93,21 +102,22 @@ class Int4:
         groups = weight.float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
         low = groups.amin(-1)
         scale = ((groups.amax(-1) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features), 1)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        q = q.reshape(out_features, in_features)
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+        # the same values two to a byte in row order, for widened(): the kernel's packing depends on the
+        # instruction set torch dispatches to (AVX-512 and AVX2 interleave rows differently)
+        self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
         # the kernel reads each group as (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2],
         # in the activations' dtype
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
 
     def widened(self) -> torch.Tensor:
-        """The weights ``[out, in]`` in bf16, unpacked from the kernel's layout: blocks of 64 rows, in each
-        for every input column 32 bytes, byte ``j`` holding row ``j`` (low nibble) and ``j + 32`` (high)."""
+        """The weights ``[out, in]`` in bf16, as the kernel computes them (``(q - 8) * scale + zero``)."""
         groups, out_features = self.scales_and_zeros.shape[:2]
-        in_features = groups * INT4_GROUP
-        blocks = self.weight.view(out_features // 64, in_features, 32)
-        q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(out_features, groups, INT4_GROUP)
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(out_features, groups, INT4_GROUP)
         scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, groups]
-        return ((q.to(torch.bfloat16) - 8) * scale[..., None] + zero[..., None]).view(out_features, in_features)
+        return ((q.to(torch.bfloat16) - 8) * scale[..., None] + zero[..., None]).view(out_features, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
