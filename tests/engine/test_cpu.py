@@ -20,6 +20,7 @@ from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
+from engine.models import int8_gemv
 from engine.models.cpu import (
     INT4_GROUP,
     NATIVE_BF16,
@@ -31,7 +32,6 @@ from engine.models.cpu import (
     quantized_as,
     transpose_weights,
 )
-from engine.models import int8_gemv
 from engine.models.fp8 import quantize_fp8
 
 
