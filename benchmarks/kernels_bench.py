@@ -582,7 +582,7 @@ FP8_PREFILL_ROWS = (1024, 8192)
 FP8_GEMV_SWEEP = [
     (32, 256, 4, 4, 4), (32, 256, 4, 4, 8), (64, 128, 4, 4, 2), (64, 256, 4, 3, 2), (64, 256, 4, 4, 1),
     (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (128, 128, 4, 4, 1), (128, 128, 4, 4, 2),
-    (128, 256, 8, 3, 1), (256, 128, 8, 3, 2),
+    (128, 256, 8, 3, 1), (256, 128, 8, 3, 2), (64, 256, 4, 6, 1), (64, 256, 4, 6, 2), (64, 128, 4, 8, 1),
 ]
 FP8_SWEEP_ROWS = (1, 64)
 FP8_REPLAYS = 100
@@ -659,18 +659,9 @@ def _fp8_decode(bf16, fp8, bandwidth: float, sweep_rows: tuple[int, ...]) -> Non
         return run
 
     bf16_us, fp8_us = (graph_us_per_call(chain(kind), layers, FP8_REPLAYS) for kind in (0, 1))
-    # the fp8 chain without each of the GEMV's own parts (its weight prefetch before the PDL wait;
-    # the rows' quantization in its launch: quantize_rows / rms_norm_quantize launches instead),
-    # and with longer prefetches
-    ablations = {
-        "fp8_no_prefetch_us": patched("_FP8_GEMV_PREFETCH_STEPS", 0, chain(1)),
-        "fp8_quantized_before_us": patched("FP8_GEMV_QUANTIZE_MAX_ROWS", 0, chain(1)),
-        **{f"fp8_prefetch_{steps}_us": patched("_FP8_GEMV_PREFETCH_STEPS", steps, chain(1)) for steps in (8, 16)},
-    }
-    ablation_us = {k: round(graph_us_per_call(fn, layers, FP8_REPLAYS), 2) for k, fn in ablations.items()}
     roofline_us = sum(w.numel() for w in fp8[0].values() for w in w[:1]) / bandwidth * 1e6
     emit(bench="fp8_gemv_layer_chain", shape="llama3-8b", rows=1, bf16_us=round(bf16_us, 2), fp8_us=round(fp8_us, 2),
-         **ablation_us, fp8_roofline_us=round(roofline_us, 2), fp8_of_roofline=round(roofline_us / fp8_us, 3),
+         fp8_roofline_us=round(roofline_us, 2), fp8_of_roofline=round(roofline_us / fp8_us, 3),
          speedup=round(bf16_us / fp8_us, 3))
     head = torch.randn(LM_HEAD_ROWS, HIDDEN, dtype=DTYPE, device="cuda") / math.sqrt(HIDDEN)
     head_fp8 = quantize_weight(head)

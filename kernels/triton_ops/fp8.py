@@ -1,7 +1,6 @@
 """FP8 (E4M3): the saturating cast, per-row activation quantization, ``linear`` with fp8 weights
 of rows quantized per row: decode batches by ``fp8_gemv`` (the weights streamed once through the
-tensor cores in fp8 x fp8, up to 64 rows; up to 4 rows quantized, and normed, in its own launch),
-larger ones by ``scaled_linear`` (torch._scaled_mm)."""
+tensor cores in fp8 x fp8, up to 64 rows), larger ones by ``scaled_linear`` (torch._scaled_mm)."""
 
 from __future__ import annotations
 
@@ -50,12 +49,24 @@ def row_scale(amax):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, k_in, x_stride, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+def _pdl_start(USE_PDL: tl.constexpr):
+    """A quantization kernel's start under PDL: the GEMV after it may launch at once (it waits for
+    this kernel's end before it reads the rows), then this one waits for the kernel before it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, out_ptr, scale_ptr, k_in, x_stride, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
+):
     """Program per row: its absolute maximum, then the row over its scale. ONE_PASS: the row fits
     in one BLOCK_K, loaded once and kept in registers; otherwise it is read twice, a BLOCK_K at a
     time."""
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
+    _pdl_start(USE_PDL)
     if ONE_PASS:
         x = tl.load(x_ptr + row * x_stride + kk, mask=kk < k_in, other=0.0)
         scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 0))
@@ -99,14 +110,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_pass = rows <= _QUANTIZE_ONE_PASS_MAX_ROWS and triton.next_power_of_2(k_in) <= _QUANTIZE_ONE_PASS_MAX
         block_k = triton.next_power_of_2(k_in) if one_pass else _QUANTIZE_BLOCK_K
         _quantize_rows_kernel[(rows,)](x, out, scale, k_in, x.stride(0), BLOCK_K=block_k, ONE_PASS=one_pass,
-                                       num_warps=max(4, min(16, block_k // 512)))
+                                       **_pdl_args(x.device), num_warps=max(4, min(16, block_k // 512)))
     return out, scale
 
 
 @triton.jit
 def _rms_norm_quantize_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, residual_out_ptr, eps, width, x_stride, residual_stride,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program per row: rms_norm's row (norm_rope._rms_norm_kernel's arithmetic, the normed row
     rounded to x's dtype as rms_norm returns it; ``x + residual`` written to ``residual_out``),
@@ -115,6 +126,7 @@ def _rms_norm_quantize_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     dtype = x_ptr.dtype.element_ty
+    _pdl_start(USE_PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
@@ -151,6 +163,7 @@ def rms_norm_quantize(
         _rms_norm_quantize_kernel[(rows,)](
             x, x if residual is None else residual, weight, out, scale, residual_out, eps, width, x.stride(0),
             0 if residual is None else residual.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+            **_pdl_args(x.device),
             num_warps=max(1, min(8, block // 512)),  # rms_norm's, so that the sum of squares is its sum
         )
     return out, scale, residual_out
@@ -178,28 +191,11 @@ class Fp8GemvTiles(NamedTuple):
     programs_per_sm: int  # K is split until column blocks x splits reach this many per multiprocessor
 
 
-class RowNorm(NamedTuple):
-    """rms_norm's inputs for ``fp8_gemv`` to apply to x's rows before it quantizes them."""
-
-    weight: torch.Tensor  # [k_in]
-    eps: float
-    residual: torch.Tensor | None  # [rows, k_in], added first (the sum is returned as residual_out)
-
-
 # The tensor cores take x's rows as their N, padded to tl.dot's smallest (16) or the next power of two.
 _FP8_GEMV_MIN_BLOCK_M = 16
 # Up to this many rows of quantized x go through fp8_gemv; more go to torch._scaled_mm.
 FP8_GEMV_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
-# Up to this many rows fp8_gemv takes x unquantized and each program quantizes it (the norm too)
-# before its loop, instead of a quantize_rows / rms_norm_quantize launch before the GEMV: every
-# program reads the whole rows for their scales, so the saving of a launch shrinks as rows grow.
-FP8_GEMV_QUANTIZE_MAX_ROWS = 4
-# ... and rows up to this wide: the scale pass holds a whole row in registers.
-_FP8_GEMV_QUANTIZE_MAX_WIDTH = 16384
-# With PDL each program asks L2 for its first weight steps (of its split) before it waits on the
-# previous kernel, so that the weights stream while that one and the quantization finish.
-_FP8_GEMV_PREFETCH_STEPS = 4
 
 # Tiles by the most rows they serve (1 or FP8_GEMV_MAX_ROWS) and weight shape (rows, in_features)
 # where one differs from the default: the fastest timed (kernels_bench.py --only fp8 --sweep; Llama
@@ -219,79 +215,16 @@ FP8_GEMV_TILES: dict[tuple[int, int, int], Fp8GemvTiles] = {} if _INTERPRETED el
 
 
 @triton.jit
-def _prefetch_l2(rows, nbytes):
-    """Each of ``rows`` (pointers, 16-byte aligned) and the ``nbytes`` after it (a multiple of 16)
-    into L2, by the bulk copy engine; nothing waits on it."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _normed_row(x_row, residual_row, norm_weight_ptr, cols, ok, rstd, HAS_NORM: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr):
-    """Features ``cols`` of a row as fp32: ``x`` (+ ``residual``, rounded to x's dtype), times
-    ``rstd`` and the norm's weight rounded to x's dtype (rms_norm's arithmetic); and x (+
-    ``residual``) in x's dtype, unnormed."""
-    dtype = x_row.dtype.element_ty
-    x = tl.load(x_row + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(residual_row + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-    xf = x.to(tl.float32)
-    if HAS_NORM:
-        weight = tl.load(norm_weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        xf = (xf * rstd * weight).to(dtype).to(tl.float32)
-    return xf, x
-
-
-@triton.jit
-def _quantize_split(
-    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, xq_ptr, rows, k_in, k_lo, k_hi, eps, x_stride,
-    residual_stride, write_residual, m, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, SLICE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """fp8_gemv's prologue for x unquantized: each row's scale from the whole row (rms_norm's row,
-    with HAS_NORM: a pass for 1/rms; ``x + residual`` written when ``write_residual``), then
-    features ``k_lo:k_hi`` of each row quantized over it into ``xq`` (quantize_rows' bytes).
-    Returns the row scales ``[BLOCK_M]`` (1 past ``rows``)."""
-    cols = tl.arange(0, ROW_BLOCK)
-    cols_ok = cols < k_in
-    part = k_lo + tl.arange(0, SLICE_BLOCK)
-    part_ok = part < k_hi
-    x_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    for r in range(0, rows):
-        x_row = x_ptr + r * x_stride
-        residual_row = residual_ptr + r * residual_stride
-        rstd = 1.0
-        if HAS_NORM:
-            xf, x = _normed_row(x_row, residual_row, norm_weight_ptr, cols, cols_ok, rstd, False, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if write_residual:
-                    tl.store(residual_out_ptr + r * k_in + cols, x, mask=cols_ok)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / k_in + eps)
-        xf, _ = _normed_row(x_row, residual_row, norm_weight_ptr, cols, cols_ok, rstd, HAS_NORM, HAS_RESIDUAL)
-        scale = row_scale(tl.max(tl.abs(xf), 0))
-        x_scale = tl.where(m == r, scale, x_scale)
-        # the program's own features again (from L1): held whole, the row would take its registers
-        xf, _ = _normed_row(x_row, residual_row, norm_weight_ptr, part, part_ok, rstd, HAS_NORM, HAS_RESIDUAL)
-        tl.store(xq_ptr + r * k_in + part, to_fp8(xf, scale), mask=part_ok)
-    return x_scale
-
-
-@triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, x_scale_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, xq_ptr, w_ptr, w_scale_ptr, out_ptr,
-    partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split, eps, x_stride, residual_stride, w_stride, out_stride,
-    QUANTIZE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    SLICE_BLOCK: tl.constexpr, PREFETCH_K: tl.constexpr, GATED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split,
+    x_stride, w_stride, out_stride,
+    GATED: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ x[rows, ks]^T`` of fp8
     (E4M3) weights and rows quantized per row, on the tensor cores in fp8 x fp8, accumulated in
     fp32: the weight tile is their M and the rows their N ("swap AB"), so the weights are read
     once for all rows, never converted. The row and channel scales are applied to the sums.
-    QUANTIZE: x comes in its dtype (HAS_NORM: rms_norm's input) and the program quantizes the
-    features of its split into ``xq`` (see _quantize_split; the programs of a split write the same
-    bytes) before its loop reads them back; otherwise x is fp8 with ``x_scale``.
     GATED: ``silu(gate) * up`` of the rounded pair (the up rows follow the gate's). SPLIT: the
     program writes its partial sums and counts its arrival; the column block's last merges the
     partials (in split order, so the result does not depend on the order of arrival), writes the
@@ -305,30 +238,14 @@ def _fp8_gemv_kernel(
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
     up_rows = w_rows + n_out.to(tl.int64) * w_stride
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, k_in)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
     if USE_PDL:
-        if PREFETCH_K > 0:  # the weights do not depend on the previous kernel
-            first = w_ptr + tl.minimum(n, n_out - 1).to(tl.int64) * w_stride + k_lo
-            nbytes = tl.full([BLOCK_N], tl.minimum(PREFETCH_K, k_hi - k_lo), tl.int32)
-            _prefetch_l2(first, nbytes)
-            if GATED:
-                _prefetch_l2(first + n_out.to(tl.int64) * w_stride, nbytes)
         tl.extra.cuda.gdc_wait()
-
-    if QUANTIZE:
-        x_scale = _quantize_split(
-            x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, xq_ptr, rows, k_in, k_lo, k_hi, eps, x_stride,
-            residual_stride, (pid_n == 0) & (split == 0), m, HAS_NORM, HAS_RESIDUAL, ROW_BLOCK, SLICE_BLOCK, BLOCK_M)
-        tl.debug_barrier()  # the program's stores of xq before its loads of them
-        x_rows = xq_ptr + m.to(tl.int64)[:, None] * k_in
-    else:
-        x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
-        x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k_start in range(k_lo, k_hi, BLOCK_K):
+    k_lo = split * k_per_split
+    for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
         k = k_start + kk
         k_ok = k < k_in
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
@@ -341,6 +258,7 @@ def _fp8_gemv_kernel(
     if USE_PDL:  # the next kernel may launch: only the merge and the stores remain
         tl.extra.cuda.gdc_launch_dependents()
 
+    x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
     if SPLIT:
         num_splits = tl.num_programs(1)
         width = (2 if GATED else 1) * n_out
@@ -386,42 +304,22 @@ def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
     return FP8_GEMV_TILES.get((1 if rows == 1 else FP8_GEMV_MAX_ROWS, *weight.shape), FP8_GEMV_DEFAULT_TILES)
 
 
-def fp8_gemv_quantizes(x: torch.Tensor) -> bool:
-    """Whether ``fp8_gemv`` takes ``x`` unquantized (quantizing it in its own launch)."""
-    return x.shape[0] <= FP8_GEMV_QUANTIZE_MAX_ROWS and x.shape[1] <= _FP8_GEMV_QUANTIZE_MAX_WIDTH
-
-
 def fp8_gemv(
-    x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int,
-    out_dtype: torch.dtype, gated: bool = False, norm: RowNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [rows, n_out] (out_dtype), residual_out)`` of a decode batch in one launch, SiLU-and-mul
-    fused in when ``gated``: up to FP8_GEMV_MAX_ROWS rows of fp8 ``x`` quantized per row
-    (``x_scale [rows, 1]``; quantize_rows, rms_norm_quantize), or, with ``x_scale`` None, rows of
-    x in its dtype (``fp8_gemv_quantizes(x)``) that the kernel quantizes as quantize_rows would
-    (after rms_norm(x, ``norm``) when given: ``residual_out`` as rms_norm's; otherwise x).
-    No host sync and a fixed-size scratch: it may be captured in a CUDA graph once it has run
-    eagerly on the device."""
+    x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int,
+    out_dtype: torch.dtype, gated: bool = False,
+) -> torch.Tensor:
+    """``out [rows, n_out]`` (``out_dtype``) of a decode batch of up to FP8_GEMV_MAX_ROWS rows of
+    fp8 ``x`` quantized per row (``x_scale [rows, 1]``; quantize_rows, rms_norm_quantize) in one
+    launch, SiLU-and-mul fused in when ``gated``. No host sync and a fixed-size scratch: it may
+    be captured in a CUDA graph once it has run eagerly on the device."""
     rows, k_in = x.shape
     _check_last_dim_contiguous("x", x)
-    _check_devices(x=x, weight=weight, weight_scale=weight_scale)
-    quantize = x_scale is None
-    if quantize:
-        _check(fp8_gemv_quantizes(x) and x.dtype != torch.float8_e4m3fn,
-               f"fp8_gemv quantizes up to {FP8_GEMV_QUANTIZE_MAX_ROWS} rows of up to "
-               f"{_FP8_GEMV_QUANTIZE_MAX_WIDTH} features, unquantized")
-    else:
-        _check(x.dtype == torch.float8_e4m3fn and x_scale.shape == (rows, 1) and rows <= FP8_GEMV_MAX_ROWS
-               and norm is None, f"fp8_gemv takes up to {FP8_GEMV_MAX_ROWS} rows of fp8 x with their x_scale [rows, 1]")
-        _check_devices(x=x, x_scale=x_scale)
+    _check_devices(x=x, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
+    _check(x.dtype == torch.float8_e4m3fn and x_scale.shape == (rows, 1) and rows <= FP8_GEMV_MAX_ROWS,
+           f"fp8_gemv takes up to {FP8_GEMV_MAX_ROWS} rows of fp8 x with their x_scale [rows, 1]")
     out = torch.empty((rows, n_out), dtype=out_dtype, device=x.device)
-    residual = None if norm is None else norm.residual
-    residual_out = x
-    if residual is not None:
-        _check_last_dim_contiguous("residual", residual)
-        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
-        return out, residual_out
+        return out
     tiles = fp8_gemv_tiles(weight, rows)
     block_m = max(_FP8_GEMV_MIN_BLOCK_M, triton.next_power_of_2(rows))
     n_blocks = triton.cdiv(n_out, tiles.block_n)
@@ -433,20 +331,11 @@ def fp8_gemv(
     if splits > 1:
         counters = _arrival_counters(x.device, n_blocks, "fp8 linear")
         partial = torch.empty((splits, (2 if gated else 1) * n_out, block_m), dtype=torch.float32, device=x.device)
-    xq = torch.empty((rows, k_in), dtype=torch.float8_e4m3fn, device=x.device) if quantize else x
-    # the bulk prefetch takes 16-byte units at 16-byte aligned addresses
-    aligned = k_in % 16 == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     # The interpreter multiplies the fp8 values in fp32 (exact products; only the order of the sums differs).
     _fp8_gemv_kernel[(n_blocks, splits)](
-        x, out if quantize else x_scale, x if residual is None else residual, x if norm is None else norm.weight,
-        residual_out, xq, weight, weight_scale, out, partial, counters, rows, n_out, k_in, k_per_split,
-        0.0 if norm is None else norm.eps, x.stride(0), 0 if residual is None else residual.stride(0),
-        weight.stride(0), out.stride(0), QUANTIZE=quantize, HAS_NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, ROW_BLOCK=triton.next_power_of_2(k_in),
-        SLICE_BLOCK=triton.next_power_of_2(min(k_per_split, k_in)),
-        PREFETCH_K=_FP8_GEMV_PREFETCH_STEPS * tiles.block_k if aligned else 0, GATED=gated,
-        DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv, SPLIT=splits > 1, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
+        x, x_scale, weight, weight_scale, out, partial, counters, rows, n_out, k_in, k_per_split, x.stride(0),
+        weight.stride(0), out.stride(0), GATED=gated, DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv,
+        SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out, residual_out
+    return out

@@ -18,15 +18,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
 )
 from kernels.triton_ops._launch import _pdl_args
-from kernels.triton_ops.fp8 import (
-    FP8_GEMV_MAX_ROWS,
-    RowNorm,
-    fp8_gemv,
-    fp8_gemv_quantizes,
-    quantize_rows,
-    rms_norm_quantize,
-    scaled_linear,
-)
+from kernels.triton_ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_gemv, quantize_rows, rms_norm_quantize, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
 # One activation row goes through the GEMV kernel, and so do up to GEMV_MAX_ROWS rows when the
@@ -198,30 +190,16 @@ def _batch_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return scaled_linear(x, weight, weight_scale)
 
 
-def _fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, n_out: int, gated: bool = False,
-    norm: RowNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_gemv`` of a decode batch, its rows quantized (normed) in its launch when it can, by
-    quantize_rows (rms_norm_quantize) before it otherwise."""
-    if fp8_gemv_quantizes(x):
-        return fp8_gemv(x, None, weight, weight_scale, n_out, x.dtype, gated, norm)
-    if norm is None:
-        (x_fp8, x_scale), residual = quantize_rows(x), x
-    else:
-        x_fp8, x_scale, residual = rms_norm_quantize(x, norm.weight, norm.eps, norm.residual)
-    return fp8_gemv(x_fp8, x_scale, weight, weight_scale, n_out, x.dtype, gated)[0], residual
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode batches (one row, or up to GEMV_MAX_ROWS with a weight that fits in L2) by the GEMV
-    kernel, others by cuBLAS. fp8 weights: up to FP8_GEMV_MAX_ROWS rows by ``fp8_gemv``, more by
-    ``scaled_linear`` (torch._scaled_mm)."""
+    kernel, others by cuBLAS. fp8 weights: the rows quantized, then up to FP8_GEMV_MAX_ROWS rows by
+    ``fp8_gemv``, more by ``scaled_linear`` (torch._scaled_mm)."""
     _check_gemv_weight(x, weight, weight_scale)
     if not _use_gemv(x, weight):
         return _batch_linear(x, weight, weight_scale)
     if weight_scale is not None:
-        return _fp8_gemv(x, weight, weight_scale, weight.shape[0])[0]
+        x_fp8, x_scale = quantize_rows(x)
+        return fp8_gemv(x_fp8, x_scale, weight, weight_scale, weight.shape[0], x.dtype)
     return _launch_gemv(x, weight, weight.shape[0])[0]
 
 
@@ -229,8 +207,8 @@ def norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode batches take one GEMV launch for all of it (fp8 weights: ``fp8_gemv`` with the norm's
-    quantization and SiLU-and-mul fused in; past fp8_gemv_quantizes' rows, rms_norm_quantize first)."""
+    """Decode batches take one GEMV launch for all of it (fp8 weights: rms_norm_quantize, then
+    ``fp8_gemv`` with SiLU-and-mul fused in)."""
     _check_gemv_weight(x, weight, weight_scale)
     _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
@@ -241,4 +219,5 @@ def norm_linear(
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight_scale is None:
         return _launch_gemv(x, weight, n_out, residual=residual, norm_weight=norm_weight, eps=eps, gated=gated)
-    return _fp8_gemv(x, weight, weight_scale, n_out, gated, RowNorm(norm_weight, eps, residual))
+    x_fp8, x_scale, residual = rms_norm_quantize(x, norm_weight, eps, residual)
+    return fp8_gemv(x_fp8, x_scale, weight, weight_scale, n_out, x.dtype, gated), residual
