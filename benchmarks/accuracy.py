@@ -9,7 +9,7 @@ peer's token over the agreed positions (same context on both sides).
 On the CPU (SmolLM2 from its GGUF, fp32, torch reference ops), one JSON line per variant; then
 the floor of the measure (the bf16 model against the fp32 one) and fp8 KV against bf16 KV:
 
-    python benchmarks/accuracy.py [--max-tokens 32] [--variants int8_weights] [--one-at-a-time]
+    python benchmarks/accuracy.py [--max-tokens 32] [--variants int8_weights] [--one-at-a-time] [--no-floor]
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--variants", type=lambda v: v.split(","), default=None, help="only these (default: all)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="each prompt generated alone (decode steps of one row), not all at once")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bf16 runs (the floor of the measure)")
     args = parser.parse_args()
     torch.manual_seed(0)
     prompts = smollm2_prompts()
@@ -129,6 +130,7 @@ def main() -> None:
         "fp8_kv_scale_1": dict(kv_cache_dtype="fp8_e4m3"),
         "fp8_weights": dict(quantization="fp8"),
         "fp8_weights_and_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+        "fp8_weights_and_lm_head": dict(quantization="fp8", fp8_lm_head=True),
         "int8_weights": dict(quantization="int8"),
         "int4_weights": dict(quantization="int4"),
         # the quantized weights on the bf16 model (activations, norms, attention and KV in bf16)
@@ -141,6 +143,8 @@ def main() -> None:
         if name == "fp8_kv_scale_1":
             set_kv_scales(candidate.runner.model, 1.0)
         report(name, "fp32", reference, candidate)
+    if args.no_floor:
+        return
     # The floor of the measure: the same model in bf16 (weights, activations and KV) against fp32;
     # then fp8 KV against bf16 KV, both on the bf16 model.
     report("bf16", "fp32", reference, core(torch.bfloat16))

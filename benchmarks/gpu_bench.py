@@ -17,7 +17,8 @@ Prints one JSON line per measurement (``bench`` names it; ``goal``/``met`` where
               weights, then an FP8 KV cache (--kv-cache-dtype fp8_e4m3) against bf16 KV: batch-1 decode
               tok/s (with the fraction of the FP8 byte roofline), one 8K-token prefill, 64 x 512 x 256
               throughput; KV tokens per GiB; greedy agreement with the bf16 engine (20 random prompts), and
-              the floor of that measure: the bf16 engine against itself, prompts batched vs one at a time
+              the floor of that measure: the bf16 engine against itself, prompts batched vs one at a time;
+              then batch-1 decode and agreement with the LM head in fp8 too (--fp8-lm-head)
   offline     (c) nano-vllm's bench (256 seqs, input and output lengths uniform in [100, 1024], seed 0,
               temperature 0.6) on the Qwen3-0.6B shape *as a Llama* (no q/k norm: our model lacks it),
               with the fraction of a per-step roofline Σ max(bytes/bandwidth, flops/peak)
@@ -66,7 +67,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, resolve_dtype
 from engine.logs import configure_logging
 from engine.mixed_budget import MixedPrefillBudget
-from engine.models.fp8 import quantize_fp8
+from engine.models.fp8 import quantize_fp8, quantize_lm_head
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.protocol import GenerateRequest, SamplingParams
@@ -779,11 +780,17 @@ def engine_on(model, model_config: ModelConfig, device: str, **settings) -> Engi
     return core
 
 
+def fp8_decode_b1(core: EngineCore, sizes: dict) -> float:
+    """Batch-1 decode tok/s."""
+    z = sizes
+    run = Run(core, random_prompts(1, z["b1_prompt"], 7), [greedy(z["b1_new"])], "f8b1-")
+    return (z["b1_new"] - 1) / (run.last[run.ids[0]] - run.first[run.ids[0]])
+
+
 def fp8_speeds(core: EngineCore, sizes: dict) -> dict:
     """Batch-1 decode tok/s, one long prefill's seconds, and the 64-request throughput."""
     z = sizes
-    run = Run(core, random_prompts(1, z["b1_prompt"], 7), [greedy(z["b1_new"])], "f8b1-")
-    decode = (z["b1_new"] - 1) / (run.last[run.ids[0]] - run.first[run.ids[0]])
+    decode = fp8_decode_b1(core, sizes)
     prefill = statistics.median(
         Run(core, random_prompts(1, z["prefill"], 800 + i), [greedy(1)], f"f8pf{i}-").first[f"f8pf{i}-0"]
         for i in range(3)
@@ -830,6 +837,14 @@ def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda",
     weights_agree = agreement(reference, generate(core, prompts, z["agree_new"]))
     del core
     free_cuda()
+    # --fp8-lm-head: the head's bytes halved too
+    quantize_lm_head(model)
+    free_cuda()
+    core = engine_on(model, model_config, device, quantization="fp8", fp8_lm_head=True, **settings)
+    head_decode = fp8_decode_b1(core, sizes)
+    head_agree = agreement(reference, generate(core, prompts, z["agree_new"]))
+    del core
+    free_cuda()
     # bytes a decode step reads: fp8 projections, the bf16 LM head, the KV at mid-generation
     kv = (z["b1_prompt"] + z["b1_new"] // 2) * shape.kv_bytes_per_token
     fp8_bytes = shape.layer_linear_params + 2 * shape.head_params + kv
@@ -843,6 +858,14 @@ def bench_fp8(name: str, settings: dict, bandwidth: float, device: str = "cuda",
          fp8_floor_ms_per_token=round(floor_ms, 3),
          fraction_of_fp8_roofline=round(fp8["decode_b1_tok_s"] * floor_ms / 1e3, 3),
          goal=">= 1.8x bf16 (and >= 0.85 of the FP8 byte roofline)", met=ratios["decode_b1_tok_s"] >= 1.8)
+    head_floor_ms = (fp8_bytes - shape.head_params) / bandwidth * 1e3
+    emit(bench="fp8_weights", model=name, section="decode_b1_fp8_lm_head", peer="our bf16 engine, same weights",
+         fp8_tok_s=round(head_decode, 1), bf16_tok_s=round(bf16["decode_b1_tok_s"], 1),
+         speedup=round(head_decode / bf16["decode_b1_tok_s"], 3), fp8_bytes_per_token=fp8_bytes - shape.head_params,
+         fp8_floor_ms_per_token=round(head_floor_ms, 3),
+         fraction_of_fp8_roofline=round(head_decode * head_floor_ms / 1e3, 3), prompts=len(prompts),
+         new_tokens=z["agree_new"], **head_agree.record(),
+         goal=">= 1.8x bf16 (and >= 0.85 of the FP8 byte roofline)", met=head_decode / bf16["decode_b1_tok_s"] >= 1.8)
     emit(bench="fp8_weights", model=name, section="prefill_8k", peer="our bf16 engine, same weights",
          prompt_tokens=z["prefill"], fp8_s=round(fp8["prefill_s"], 4), bf16_s=round(bf16["prefill_s"], 4),
          fp8_tflop_s_equivalent=round(prefill_flops / fp8["prefill_s"] / 1e12, 1),

@@ -363,6 +363,9 @@ class EngineConfig:
                 "bf16 activations; int4 (CPU only) = 4-bit weights in groups of 32 input columns, each over a "
                 "scale and a minimum (a GGUF Q4_1 block's form; the LM head in int8), over bf16 activations",
         choices=QUANTIZATIONS)
+    fp8_lm_head: bool = _flag(
+        False, "with --quantization fp8, the LM head in fp8 too (per-output-channel scales; a tied head gets an "
+               "fp8 copy of the embedding): half its bytes a decode step, some accuracy", action="store_true")
     block_size: int = _flag(16, "tokens per KV block")
     max_num_seqs: int = _flag(64, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "token budget of one step; longer prompts are prefilled in chunks")
@@ -475,6 +478,8 @@ class EngineConfig:
         if self.quantization == "fp8" and self.device != "cpu" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(f"quantization fp8 on CUDA needs dtype bfloat16 (its GEMMs write bf16), "
                              f"got {self.dtype!r}")
+        if self.fp8_lm_head and self.quantization != "fp8":
+            raise ValueError(f"fp8_lm_head needs quantization fp8, got {self.quantization!r}")
         if self.quantization in ("int8", "int4") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs on the CPU only, got device {self.device!r}")
         if self.served_model_name is not None and (not self.served_model_name

@@ -34,7 +34,7 @@ from engine.kv_quant import FP8_KV, calibrate_kv_scales, kv_cache_dtype
 from engine.mixed_budget import MixedPrefillBudget
 from engine.model_runner import LaunchedStep, MemoryProfile, ModelRunner, kv_bytes_per_block
 from engine.models.cpu import cpu_matmuls
-from engine.models.fp8 import is_fp8, quantize_fp8
+from engine.models.fp8 import is_fp8, is_fp8_lm_head, quantize_fp8, quantize_lm_head
 from engine.protocol import (
     EngineStats,
     GenerateRequest,
@@ -180,6 +180,9 @@ class EngineCore:
         if config.quantization == "fp8" and not is_fp8(model):
             quantize_fp8(model)
             log.info("weights_quantized", quantization="fp8")
+        if config.fp8_lm_head and not is_fp8_lm_head(model):
+            quantize_lm_head(model)
+            log.info("lm_head_quantized", quantization="fp8")
         if device.type == "cpu" and (path := cpu_matmuls(model, config.quantization, dtype)) is not None:
             log.info("cpu_matmuls", path=path)
         kv_dtype = kv_cache_dtype(config, dtype)

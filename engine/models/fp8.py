@@ -5,7 +5,9 @@ activation row over its own scale (dynamic, per token) and multiply in fp8 (``ke
 
 Per-channel weight scales keep fused projections exact: the rows of q, k and v (gate and up) each
 keep their own scales, so a checkpoint's per-tensor scales load as rows of equal scales.
-Norms, embeddings and the LM head stay in the model's dtype.
+Norms and embeddings stay in the model's dtype, and so does the LM head unless
+``quantize_lm_head`` quantizes it too (``--fp8-lm-head``: half the bytes of a decode step's
+largest matrix, at some accuracy).
 
 ``quantize_fp8`` quantizes a loaded model's weights in place of the originals (bf16/fp32
 checkpoints, GGUF, dummy weights); ``prepare_fp8`` makes an empty fp8 model that
@@ -75,6 +77,23 @@ def quantize_fp8(model: CausalLM) -> CausalLM:
         _set_fp8(module, *quantize_weight(module.weight))
     model.use_ops(Fp8Ops(model.ops))
     return model
+
+
+@torch.no_grad()
+def quantize_lm_head(model: CausalLM) -> None:
+    """The LM head of a ``quantize_fp8``/``prepare_fp8`` model in fp8 (per-output-channel scales);
+    a tied head becomes a head of its own, the embedding's table kept for the lookups."""
+    config = model.config
+    if model.lm_head is None:
+        model.lm_head = Linear(config.hidden_size, config.vocab_size, model.ops, {"device": "meta"})
+        table = model.model.embed_tokens.weight
+    else:
+        table = model.lm_head.weight
+    _set_fp8(model.lm_head, *quantize_weight(table))
+
+
+def is_fp8_lm_head(model: CausalLM) -> bool:
+    return model.lm_head is not None and model.lm_head.weight.dtype == FP8
 
 
 def prepare_fp8(model: CausalLM) -> CausalLM:

@@ -222,7 +222,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
         matmul = getattr(weight, "cpu_matmul", None)  # a CPU matmul path's (engine.models.cpu)
-        logits = F.linear(hidden, weight) if matmul is None else matmul(hidden)
+        if matmul is not None:
+            logits = matmul(hidden)
+        elif hasattr(weight, "weight_scale"):  # an fp8 head (engine.models.fp8.quantize_lm_head)
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, weight)
         return logits.float() if out is None else out.copy_(logits)
 
     def fused_parts(self) -> dict[str, dict[str, slice]]:

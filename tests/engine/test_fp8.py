@@ -18,9 +18,9 @@ from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_quant import FP8_KV, HEADROOM, calibrate_kv_scales
-from engine.models.fp8 import FP8, is_fp8, quantize_fp8, quantize_weight
+from engine.models.fp8 import FP8, is_fp8, is_fp8_lm_head, quantize_fp8, quantize_weight
 from engine.models.loader import ModelLoadError, load_model
-from kernels import load_ops
+from kernels import load_ops, reference
 
 
 def clone(model):
@@ -84,6 +84,26 @@ def test_quantize_transform_keeps_norms_embeddings_and_head(tiny):
     quantized = PagedKV(tiny[1]).step(model, prompt)
     assert torch.nn.functional.cosine_similarity(exact, quantized).item() > 0.95
     assert not torch.equal(exact, quantized)
+
+
+def test_fp8_lm_head_is_a_quantized_copy_of_the_tied_embedding(tiny):
+    core = make_core((clone(tiny[0]), tiny[1]), quantization="fp8", fp8_lm_head=True)
+    model = core.runner.model
+    embedding = model.model.embed_tokens.weight
+    assert is_fp8_lm_head(model) and not is_fp8_lm_head(tiny[0])
+    assert embedding.dtype == torch.float32 and torch.equal(embedding, tiny[0].model.embed_tokens.weight)
+    head_fp8, scale = quantize_weight(embedding)
+    assert torch.equal(model.lm_head.weight.view(torch.uint8), head_fp8.view(torch.uint8))
+    hidden = torch.randn(3, tiny[1].hidden_size)
+    # the rows quantized too, as every fp8 linear's (kernels.reference.linear)
+    expected = reference.linear(hidden, head_fp8, scale).float()
+    assert torch.equal(model.compute_logits(hidden), expected)
+    assert not torch.equal(expected, tiny[0].compute_logits(hidden))
+
+
+def test_fp8_lm_head_needs_fp8_weights():
+    with pytest.raises(ValueError, match="fp8_lm_head needs quantization fp8, got 'none'"):
+        EngineConfig(model="tiny", fp8_lm_head=True)
 
 
 def save_fp8_checkpoint(path) -> dict[str, torch.Tensor]:

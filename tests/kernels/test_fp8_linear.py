@@ -155,6 +155,30 @@ def test_gpu_fp8_gemv_replays_in_a_cuda_graph(rows):
         assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
+@gpu
+def test_gpu_fp8_chain_replays_in_a_cuda_graph():
+    # Each quantization reads the GEMV before it and each GEMV the quantization before it, as a
+    # decode layer's do: under PDL each kernel launches early and must wait before it reads.
+    x, residual, norm_weight, _, weight, scale = fp8_inputs(1, 4096, 4096, torch.bfloat16, device="cuda")
+
+    def chain():
+        h, res = triton_ops.norm_linear(x, norm_weight, 1e-5, residual, weight, False, scale)
+        for _ in range(8):
+            h = triton_ops.linear(h, weight, scale)
+            h, res = triton_ops.norm_linear(h, norm_weight, 1e-5, res, weight, False, scale)
+        return h, res
+
+    eager = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert eager[0].isfinite().all() and eager[0].abs().max() > 0
+
+
 def assert_rare_fp8_flips(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Within bf16 tolerance but for at most 1e-3 of the outputs, each at most one fp8 step of a term off."""
     tol = GPU_ATTENTION_TOL[torch.bfloat16]
