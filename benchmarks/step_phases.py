@@ -230,8 +230,29 @@ def profiled_core(config: EngineConfig, out_path: str, gc_mode: str) -> EngineCo
     core = EngineCore.from_config(config)
     phases = Phases()
     instrument(core, phases)
-    step = core.step
-    state = {"last_end": None, "label": None}
+    step, add_request, schedule = core.step, core.add_request, core.scheduler.schedule
+    state = {"last_end": None, "label": None, "scheduled": []}
+    step_rows: list[tuple] = []  # per step: ms, launch ms, seqs, tokens, prefill tokens, Triton compiles
+    arrivals: list[float] = []
+    compiled: list[str] = []
+
+    def on_compile(*, fn, **_):  # Triton's hook on a kernel variant not in its in-memory cache
+        compiled.append(fn.name)
+        return False
+
+    from triton import knobs
+    knobs.runtime.jit_cache_hook = on_compile
+
+    def add(request):
+        arrivals.append(time.perf_counter())
+        return add_request(request)
+
+    def scheduled_step():
+        out = schedule()
+        state["scheduled"] = out.scheduled
+        return out
+
+    core.add_request, core.scheduler.schedule = add, scheduled_step
 
     def step_and_report():
         t0 = time.perf_counter()
@@ -239,8 +260,14 @@ def profiled_core(config: EngineConfig, out_path: str, gc_mode: str) -> EngineCo
             phases.seconds["between_steps"] += t0 - state["last_end"]
         if state["label"] is None and core.requests:  # a run is named by its requests' ids, less the index
             state["label"] = next(iter(core.requests)).rsplit("-", 1)[0]
+        launch_s, num_compiled = phases.seconds["launch"], len(compiled)
         frames = step()
         state["last_end"] = time.perf_counter()
+        scheduled = state["scheduled"]
+        launch_ms = (phases.seconds["launch"] - launch_s) * 1e3
+        step_rows.append((round((state["last_end"] - t0) * 1e3, 3), round(launch_ms, 3), len(scheduled),
+                          sum(n for _, n in scheduled), sum(n for _, n in scheduled if n > 1),
+                          len(compiled) - num_compiled))
         if not core.has_work():
             steps = phases.calls["step"]
             if state["label"] is not None:
@@ -252,10 +279,19 @@ def profiled_core(config: EngineConfig, out_path: str, gc_mode: str) -> EngineCo
                               mixed_steps=phases.calls["mixed_steps"],
                               gc_counts=list(gc.get_count()), gc_tracked_objects=len(gc.get_objects()),
                               requests=len(core.requests), cached_blocks=core.kv.num_cached_blocks,
-                              free_blocks=core.kv.num_free_blocks)
+                              free_blocks=core.kv.num_free_blocks,
+                              arrival_spread_ms=round((max(arrivals) - min(arrivals)) * 1e3, 2) if arrivals else None,
+                              steps_over_5ms=sum(row[0] > 5 for row in step_rows),
+                              ms_in_steps_over_5ms=round(sum(row[0] for row in step_rows if row[0] > 5), 1),
+                              triton_compiles=collections.Counter(compiled),
+                              slowest_steps=["ms,launch_ms,seqs,tokens,prefill_tokens,compiles",
+                                             *sorted(step_rows, reverse=True)[:10]])
                 with open(out_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             state["label"] = state["last_end"] = None
+            step_rows.clear()
+            arrivals.clear()
+            compiled.clear()
             phases.reset()
         return frames
 
