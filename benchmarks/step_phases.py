@@ -5,6 +5,8 @@
           around the core's, scheduler's and runner's methods), then the device's timeline of a decode step
           from events: its input copies and scatter, the graph replay, the token copy back, and the idle
           time until the next step's first op (the host was late)
+  eager   cProfile of the steps that run eagerly (no CUDA graph): a lone 128-token prefill, a 512-token
+          prefill joining 64 decoding sequences; then of graphed decode steps at 64 for comparison
   served  the sidecar (the app of ``python -m engine serve``, its engine in its own process) at batch B
           for R runs of B x 128-token prompts x 512 new tokens, each run after a batch-1 run as gpu_bench's
           served section does; the engine process's core is instrumented and writes one record per run:
@@ -16,6 +18,7 @@
 The timers cost a few microseconds per call: read the phases against each other and the untimed tok/s.
 
     python3 benchmarks/step_phases.py b1 [--model smollm2-135m] [--tokens 256]
+    python3 benchmarks/step_phases.py eager [--model smollm2-135m] [--device cpu]
     python3 benchmarks/step_phases.py served [--batch 64] [--runs 3] [--gc on,off,freeze] [--device cpu]
 """
 
@@ -50,6 +53,7 @@ from benchmarks.gpu_bench import (
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.logs import configure_logging
+from engine.protocol import GenerateRequest
 from loadtest.stamp import emit
 
 GC_MODES = ("on", "off", "freeze")
@@ -221,6 +225,59 @@ def bench_b1(model: str, tokens: int, device: str) -> None:
          tok_s=round((tokens - 1) / (run.last[run.ids[0]] - run.first[run.ids[0]]), 1), **timeline.summary())
 
 
+# --- eager steps: where their host time goes ----------------------------------------------------------
+
+
+def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], repeats: int) -> None:
+    """cProfile over ``repeats`` steps, each the first step after ``setup(i)`` (which queues its work)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    seconds = []
+    for i in range(repeats):
+        setup(i)
+        t0 = time.perf_counter()
+        profiler.runcall(core.step)
+        seconds.append(time.perf_counter() - t0)
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
+    emit(bench="step_phases_eager", scenario=name, steps=repeats,
+         ms_per_step=[round(t * 1e3, 2) for t in seconds],
+         top_own_time=["function,calls per step,own ms per step,cumulative ms per step", *[
+             (f"{os.path.basename(f)}:{line}:{fn}", round(calls / repeats, 1), round(own / repeats * 1e3, 3),
+              round(cum / repeats * 1e3, 3)) for (f, line, fn), (_, calls, own, cum, _) in rows]])
+
+
+def bench_eager(model: str, device: str) -> None:
+    """A lone 128-token prefill on an idle engine, a 512-token prefill joining 64 decoding sequences, and
+    their graphed decode steps (the tiny model on the CPU: prompts and outputs of a quarter of its context)."""
+    max_len = MAX_MODEL_LEN[model]
+    join, new = min(512, max_len // 4), min(400, max_len // 4)
+    settings = dict(max_num_seqs=80, max_num_batched_tokens=8192, max_model_len=max_len)
+    core = make_engine(model, device, **settings, **({"gpu_memory_utilization": 0.5} if device == "cuda" else {}))
+    prompts = iter(random_prompts(200, join, 77))
+
+    def lone(i: int) -> None:
+        while core.has_work():
+            core.step()
+        core.add_request(GenerateRequest(f"lone{i}", next(prompts)[:join // 4], greedy(2), salt="eager"))
+
+    profile_steps(core, "prefill_128_alone", lone, 5)
+    while core.has_work():
+        core.step()
+    for i in range(64):
+        core.add_request(GenerateRequest(f"dec{i}", next(prompts)[:join // 4], greedy(new), salt="eager"))
+    for _ in range(4):
+        core.step()
+
+    def joining(i: int) -> None:
+        core.add_request(GenerateRequest(f"join{i}", next(prompts), greedy(new), salt="eager"))
+
+    profile_steps(core, "prefill_512_with_64_decodes", joining, 5)
+    profile_steps(core, "decode_64_graphed", lambda i: None, 5)
+
+
 # --- served: the engine process's core, instrumented ----------------------------------------------------
 
 
@@ -377,7 +434,7 @@ def bench_served(model: str, device: str, batch: int, runs: int, new: int, gc_mo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("b1", "served", "_serve"))
+    parser.add_argument("what", choices=("b1", "eager", "served", "_serve"))
     parser.add_argument("--model", default="smollm2-135m", choices=tuple(MAX_MODEL_LEN))
     parser.add_argument("--tokens", type=int, default=256, help="b1: new tokens per run")
     parser.add_argument("--batch", type=int, default=64, help="served: requests per run")
@@ -395,6 +452,8 @@ def main() -> None:
         serve_profiled(args.port, args.model, args.device, args.out, args.gc, json.loads(args.settings))
     elif args.what == "b1":
         bench_b1(args.model, args.tokens, args.device)
+    elif args.what == "eager":
+        bench_eager(args.model, args.device)
     else:
         gc_modes = args.gc.split(",")
         if set(gc_modes) - set(GC_MODES):
