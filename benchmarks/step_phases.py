@@ -448,6 +448,8 @@ def main() -> None:
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configure_logging("WARNING")
+    if args.device == "cuda" and args.what != "_serve":
+        emit(bench="device", device=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.what == "_serve":
         serve_profiled(args.port, args.model, args.device, args.out, args.gc, json.loads(args.settings))
     elif args.what == "b1":
