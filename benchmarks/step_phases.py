@@ -11,13 +11,15 @@
           for R runs of B x 128-token prompts x 512 new tokens, each run after a batch-1 run as gpu_bench's
           served section does; the engine process's core is instrumented and writes one record per run:
           milliseconds per step in each phase, the time between steps, garbage collections by generation
-          and their time, and the sizes of the structures that live across runs. ``--gc``: the engine
+          and their time, the sizes of the structures that live across runs, how long the requests took
+          to arrive, Triton compilations, and the slowest steps (with their sequences and prompt tokens:
+          an eager mixed step stalls every decoding stream). ``--gc``: the engine
           process's garbage collector as is (on), disabled (off) or with the objects that exist at
           start frozen out of it (freeze)
 
 The timers cost a few microseconds per call: read the phases against each other and the untimed tok/s.
 
-    python3 benchmarks/step_phases.py b1 [--model smollm2-135m] [--tokens 256]
+    python3 benchmarks/step_phases.py b1 [--model smollm2-135m] [--tokens 256] [--device cpu]
     python3 benchmarks/step_phases.py eager [--model smollm2-135m] [--device cpu]
     python3 benchmarks/step_phases.py served [--batch 64] [--runs 3] [--gc on,off,freeze] [--device cpu]
 """
