@@ -21,6 +21,7 @@ Padding rows are q tokens at positions 0 … q-1 that store nothing; their outpu
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -54,6 +55,8 @@ class DecodeOutput(NamedTuple):
 # Static int64 rows (input ids, positions, slots) are padded to this many entries so that each
 # row starts 128-byte aligned, as the eager path's fresh tensors do (Triton specializes on it).
 _ROW_ALIGN = 16
+# Each static input starts this many bytes into their common buffer (Triton specializes on alignment).
+_REGION_ALIGN = 128
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -97,19 +100,31 @@ class DecodeGraphs:
                                       self.capacity})
         width = -(-self.max_batch_size * q // _ROW_ALIGN) * _ROW_ALIGN
         pin = device.type == "cuda"
-        # Host staging: filled with numpy, copied to the device in three transfers per step. The id
-        # rows: input ids, positions, each group's slots, then the rows whose input id is a token of the
-        # previous step still on the device, and where that step's tokens hold it (overlapped steps).
+        # The static inputs are views of one byte buffer, filled on the host (pinned staging, written
+        # with numpy) and copied to the device in one transfer per step, as far as the step's block
+        # table rows reach: the id rows (input ids, positions, each group's slots, then the rows whose
+        # input id is a token of the previous step still on the device, and where that step's tokens
+        # hold it: overlapped steps), the context lengths, then each group's block tables. Each
+        # stream op costs the device microseconds between two replays, whatever its size.
         self._slot_rows = slice(2, 2 + num_groups)
         self._dst_row, self._src_row = 2 + num_groups, 3 + num_groups
-        self._host_ids = torch.zeros((4 + num_groups, width), dtype=torch.int64, pin_memory=pin)
-        self._host_seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, pin_memory=pin)
-        self._host_tables = torch.zeros(
-            (num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
-        )
-        self._np_ids, self._np_seq_lens, self._np_tables = (
-            self._host_ids.numpy(), self._host_seq_lens.numpy(), self._host_tables.numpy()
-        )
+        shapes = ((torch.int64, (4 + num_groups, width)), (torch.int32, (self.max_batch_size,)),
+                  (torch.int32, (num_groups, self.max_batch_size, max_blocks_per_seq)))
+        offsets, size = [], 0
+        for dtype, shape in shapes:
+            offsets.append(size)
+            size += -(-math.prod(shape) * dtype.itemsize // _REGION_ALIGN) * _REGION_ALIGN
+        self._table_offset, self._table_row_bytes = offsets[2], max_blocks_per_seq * 4
+        host_inputs = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+        self._inputs = torch.zeros(size, dtype=torch.uint8, device=device)
+
+        def views(buffer: torch.Tensor) -> list[torch.Tensor]:
+            return [buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                    for offset, (dtype, shape) in zip(offsets, shapes)]
+
+        self._host_inputs = host_inputs
+        self._np_ids, self._np_seq_lens, self._np_tables = (view.numpy() for view in views(host_inputs))
+        self._ids, self._seq_lens, self._tables = views(self._inputs)
         # Per group and staging row: the block list it was filled from and how many of its ids it
         # holds. A sequence's list only grows while the sequence holds its blocks (freeing them
         # replaces the list; a window group's entries before the window, which attention never
@@ -117,11 +132,8 @@ class DecodeGraphs:
         self._table_rows: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * self.max_batch_size for _ in range(num_groups)
         ]
-        self._ids = torch.zeros((4 + num_groups, width), dtype=torch.int64, device=device)
         self._ids[self._slot_rows].fill_(-1)
-        self._seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
-        self._tables = torch.zeros((num_groups, self.max_batch_size, max_blocks_per_seq), dtype=torch.int32,
-                                   device=device)
+        self._np_ids[self._slot_rows] = -1
         self._query_start_loc = torch.arange(0, (self.max_batch_size + 1) * q, q, dtype=torch.int32, device=device)
         # Every graph writes its logits here: one [max batch * q, vocab] buffer, not one per graph.
         self._logits = torch.empty((self.max_batch_size * q, model.config.vocab_size), dtype=torch.float32,
@@ -241,9 +253,9 @@ class DecodeGraphs:
         num_carried = 0 if carried is None else len(carried.rows)
         if num_carried:
             ids[self._dst_row, :num_carried], ids[self._src_row, :num_carried] = zip(*carried.rows)
-        self._ids.copy_(self._host_ids, non_blocking=True)
-        self._seq_lens[:batch_size].copy_(self._host_seq_lens[:batch_size], non_blocking=True)
-        self._tables[:, :n].copy_(self._host_tables[:, :n], non_blocking=True)
+        # the last group's first n table rows end the copy (earlier groups' go whole)
+        end = self._table_offset + ((self.num_groups - 1) * self.max_batch_size + n) * self._table_row_bytes
+        self._inputs[:end].copy_(self._host_inputs[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if num_carried:

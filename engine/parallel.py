@@ -211,8 +211,7 @@ class RankDecodeGraphs(DecodeGraphs):
         self.group = model.group
 
     def _forward(self, batch_size: int, context_bound: int, seq_lens_cpu: list[int]) -> DecodeOutput:
-        for buffer in (self._ids, self._seq_lens, self._tables):
-            dist.broadcast(buffer, src=0, group=self.group)
+        dist.broadcast(self._inputs, src=0, group=self.group)
         return super()._forward(batch_size, context_bound, seq_lens_cpu)
 
     def run(self, seqs: list[Sequence], carried: CarriedTokens | None = None) -> DecodeOutput:

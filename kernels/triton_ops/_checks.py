@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -14,32 +16,35 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_DIM = 256
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: bool, message: str | Callable[[], str]) -> None:
+    """A message that formats values comes as a callable: the wrappers check every launch, and formatting
+    shapes, strides and dtypes each time cost an eager step's launches several milliseconds."""
     if not condition:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def _check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    _check(t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    _check(isinstance(t, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(t.dim() == ndim, lambda: f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    _check(t.dtype in dtypes, lambda: f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
 def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     _check(
         t.shape[-1] <= 1 or t.stride(-1) == 1,
-        f"{name} must be contiguous in its last dim, got strides {t.stride()}",
+        lambda: f"{name} must be contiguous in its last dim, got strides {t.stride()}",
     )
 
 
 def _check_devices(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    first_name, device = next(iter(devices.items()))
-    for name, other in devices.items():
-        _check(other == device, f"{name} is on {other} but {first_name} is on {device}")
+    (first_name, first), *others = tensors.items()
+    device = first.device
+    for name, t in others:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
     _check(
         device.type == "cuda" or _INTERPRETED,
-        f"Triton kernels need CUDA tensors, got {first_name} on {device} "
+        lambda: f"Triton kernels need CUDA tensors, got {first_name} on {device} "
         "(set TRITON_INTERPRET=1 before importing triton to run them on the CPU)",
     )
 
@@ -47,7 +52,7 @@ def _check_devices(**tensors: torch.Tensor) -> None:
 def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t[..., n]`` viewed as ``[a, b, n]`` without a copy: row ``(i, j)`` starts at
     ``i * stride(0) + j * stride(1)``, so strided 3-d views (q from a fused qkv) need no copy."""
-    _check(t.dim() >= 1, f"{name} must have at least one dim")
+    _check(t.dim() >= 1, lambda: f"{name} must have at least one dim")
     _check_last_dim_contiguous(name, t)
     if t.dim() == 1:
         return t.view(1, 1, -1)
@@ -68,12 +73,12 @@ def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check_tensor("v_cache", v_cache, 4, _KV_DTYPES)
     _check(
         k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
-        f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
+        lambda: f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
         f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}",
     )
-    _check(k_cache.dtype == v_cache.dtype, f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    _check(k_cache.dtype == v_cache.dtype, lambda: f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     _check_last_dim_contiguous("k_cache", k_cache)
-    _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, f"head_dim must be <= {_MAX_HEAD_DIM}, got {k_cache.shape[-1]}")
+    _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, lambda: f"head_dim must be <= {_MAX_HEAD_DIM}, got {k_cache.shape[-1]}")
 
 
 def _kv_scales(
@@ -87,7 +92,8 @@ def _kv_scales(
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         _check(t is not None, f"an fp8 KV cache needs {name}")
         _check_tensor(name, t, 1, (torch.float32,))
-        _check(tuple(t.shape) == (num_kv_heads,), f"{name} must have shape ({num_kv_heads},), got {tuple(t.shape)}")
+        if tuple(t.shape) != (num_kv_heads,):
+            raise ValueError(f"{name} must have shape ({num_kv_heads},), got {tuple(t.shape)}")
         _check(t.is_contiguous(), f"{name} must be contiguous")
     _check_devices(k_cache=k_cache, k_scale=k_scale, v_scale=v_scale)
     return k_scale, v_scale

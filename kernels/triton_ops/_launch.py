@@ -53,7 +53,7 @@ def _arrival_counters(device: torch.device, needed: int, op: str) -> torch.Tenso
     if counters is None:
         _check(
             device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-            f"{op}'s counters would be allocated inside a CUDA graph capture: "
+            lambda: f"{op}'s counters would be allocated inside a CUDA graph capture: "
             "call it once on the device before capturing",
         )
         count = max(_MIN_ARRIVAL_COUNTERS, _DECODE_PROGRAMS_PER_SM * _num_sms(device))
@@ -61,6 +61,6 @@ def _arrival_counters(device: torch.device, needed: int, op: str) -> torch.Tenso
         _ARRIVAL_COUNTERS[device] = counters
     _check(
         needed <= counters.numel(),
-        f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are",
+        lambda: f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are",
     )
     return counters

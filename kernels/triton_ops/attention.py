@@ -416,11 +416,11 @@ def _check_seq_lens_cpu(seq_lens_cpu: list[int] | None, num_seqs: int, capacity:
         return
     _check(
         len(seq_lens_cpu) == num_seqs,
-        f"seq_lens_cpu has {len(seq_lens_cpu)} entries for {num_seqs} sequences",
+        lambda: f"seq_lens_cpu has {len(seq_lens_cpu)} entries for {num_seqs} sequences",
     )
     _check(
         num_seqs == 0 or max(seq_lens_cpu) <= capacity,
-        f"a sequence length of {max(seq_lens_cpu, default=0)} exceeds the block table's "
+        lambda: f"a sequence length of {max(seq_lens_cpu, default=0)} exceeds the block table's "
         f"capacity of {capacity} tokens",
     )
 
@@ -480,7 +480,8 @@ def _split_partials(
 
 
 def _check_window(sliding_window: int | None) -> None:
-    _check(sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}")
+    _check(sliding_window is None or sliding_window > 0,
+           lambda: f"sliding_window must be positive, got {sliding_window}")
 
 
 def _check_attention_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -488,10 +489,10 @@ def _check_attention_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     whole group of query heads per kv head."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
-    _check(head_dim == cache_head_dim, f"q has head_dim {head_dim} but the KV cache {cache_head_dim}")
+    _check(head_dim == cache_head_dim, lambda: f"q has head_dim {head_dim} but the KV cache {cache_head_dim}")
     _check(
         num_heads % num_kv_heads == 0,
-        f"q's {num_heads} heads must be a multiple of the cache's {num_kv_heads} kv heads",
+        lambda: f"q's {num_heads} heads must be a multiple of the cache's {num_kv_heads} kv heads",
     )
 
 
@@ -511,24 +512,25 @@ def _check_paged_inputs(
     _check_attention_heads(q, k_cache)
     _check(
         block_tables.shape[0] == num_seqs,
-        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
+        lambda: f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
     )
     _check(
         query_start_loc.shape[0] == num_seqs + 1,
-        f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}",
+        lambda: f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}",
     )
     _check_last_dim_contiguous("q", q)
     _check_last_dim_contiguous("block_tables", block_tables)
     _check(seq_lens.is_contiguous(), "seq_lens must be contiguous")
     _check(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
-    _check(scale > 0, f"scale must be positive, got {scale}")
+    _check(scale > 0, lambda: f"scale must be positive, got {scale}")
     _check((key is None) == (value is None), "key and value must be given together")
     new_rows = {}
     if key is not None:
         kv_shape = (num_tokens, num_kv_heads, head_dim)
         for name, t in (("key", key), ("value", value)):
             _check_tensor(name, t, 3, (k_cache.dtype,))
-            _check(tuple(t.shape) == kv_shape, f"{name} must have shape {kv_shape}, got {tuple(t.shape)}")
+            if tuple(t.shape) != kv_shape:
+                raise ValueError(f"{name} must have shape {kv_shape}, got {tuple(t.shape)}")
             _check_last_dim_contiguous(name, t)
         new_rows = dict(key=key, value=value)
     _check_devices(
@@ -622,13 +624,13 @@ def paged_attention(
     if query_start_loc_cpu is not None:
         _check(
             len(query_start_loc_cpu) == num_seqs + 1,
-            f"query_start_loc_cpu has {len(query_start_loc_cpu)} entries, expected {num_seqs + 1}",
+            lambda: f"query_start_loc_cpu has {len(query_start_loc_cpu)} entries, expected {num_seqs + 1}",
         )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
-    _check(starts[-1] <= num_tokens, f"query_start_loc ends at {starts[-1]} past q's {num_tokens} tokens")
+    _check(starts[-1] <= num_tokens, lambda: f"query_start_loc ends at {starts[-1]} past q's {num_tokens} tokens")
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window or 0,
             k_scale, v_scale)

@@ -102,7 +102,7 @@ _QUANTIZE_BLOCK_K = 32 if _INTERPRETED else 1024
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.reference.quantize_rows`` in one launch: ``(x_fp8 [rows, k], scale [rows, 1])``."""
-    _check(x.dim() == 2, f"x must have 2 dims, got shape {tuple(x.shape)}")
+    _check(x.dim() == 2, lambda: f"x must have 2 dims, got shape {tuple(x.shape)}")
     _check_last_dim_contiguous("x", x)
     _check_devices(x=x)
     rows, k_in = x.shape
@@ -150,10 +150,10 @@ def rms_norm_quantize(
     written: ``(x_fp8 [rows, k], scale [rows, 1], residual_out)``, residual_out as rms_norm's (x
     itself without a residual). For decode batches: a program per row, held in registers, as
     quantize_rows' one pass. The caller checks the norm's inputs."""
-    _check(x.dim() == 2, f"x must have 2 dims, got shape {tuple(x.shape)}")
+    _check(x.dim() == 2, lambda: f"x must have 2 dims, got shape {tuple(x.shape)}")
     _check_last_dim_contiguous("x", x)
     rows, width = x.shape
-    _check(width <= _MAX_ROW_WIDTH, f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
+    _check(width <= _MAX_ROW_WIDTH, lambda: f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
     block = triton.next_power_of_2(width)
     out = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -318,7 +318,7 @@ def fp8_gemv(
     _check_last_dim_contiguous("x", x)
     _check_devices(x=x, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
     _check(x.dtype == torch.float8_e4m3fn and x_scale.shape == (rows, 1) and rows <= FP8_GEMV_MAX_ROWS,
-           f"fp8_gemv takes up to {FP8_GEMV_MAX_ROWS} rows of fp8 x with their x_scale [rows, 1]")
+           lambda: f"fp8_gemv takes up to {FP8_GEMV_MAX_ROWS} rows of fp8 x with their x_scale [rows, 1]")
     out = torch.empty((rows, n_out), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out

@@ -280,25 +280,26 @@ def _check_decode_inputs(
     num_seqs, _, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     _check_attention_heads(q, k_cache)
-    _check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    _check(head_dim % 2 == 0, lambda: f"head_dim must be even, got {head_dim}")
     kv_shape = (num_seqs, num_kv_heads, head_dim)
-    _check(tuple(k.shape) == kv_shape, f"k must have shape {kv_shape}, got {tuple(k.shape)}")
-    _check(tuple(v.shape) == kv_shape, f"v must have shape {kv_shape}, got {tuple(v.shape)}")
+    _check(tuple(k.shape) == kv_shape, lambda: f"k must have shape {kv_shape}, got {tuple(k.shape)}")
+    _check(tuple(v.shape) == kv_shape, lambda: f"v must have shape {kv_shape}, got {tuple(v.shape)}")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens)):
-        _check(tuple(t.shape) == (num_seqs,), f"{name} must have shape ({num_seqs},), got {tuple(t.shape)}")
+        if tuple(t.shape) != (num_seqs,):
+            raise ValueError(f"{name} must have shape ({num_seqs},), got {tuple(t.shape)}")
         _check(t.is_contiguous(), f"{name} must be contiguous")
     _check(
         block_tables.shape[0] == num_seqs,
-        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
+        lambda: f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
     )
     _check(
         cos_sin_cache.shape[1] == head_dim,
-        f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
+        lambda: f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
     )
     rows = dict(q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, block_tables=block_tables)
     for name, t in rows.items():
         _check_last_dim_contiguous(name, t)
-    _check(scale > 0, f"scale must be positive, got {scale}")
+    _check(scale > 0, lambda: f"scale must be positive, got {scale}")
     _check_devices(
         positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
         v_cache=v_cache, slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,

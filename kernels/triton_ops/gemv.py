@@ -150,10 +150,12 @@ def _check_gemv_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         _check_tensor("weight", weight, 2, (torch.float8_e4m3fn,))
         _check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
         _check(weight_scale.shape[0] == weight.shape[0] and weight_scale.is_contiguous(),
-               f"weight_scale must be contiguous of shape ({weight.shape[0]},), got {tuple(weight_scale.shape)}")
+               lambda: f"weight_scale must be contiguous of shape ({weight.shape[0]},), got "
+                       f"{tuple(weight_scale.shape)}")
     _check(
         x.dim() >= 1 and x.shape[-1] == weight.shape[1],
-        f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal weight's in_features ({weight.shape[1]})",
+        lambda: f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal weight's in_features "
+                f"({weight.shape[1]})",
     )
     _check_last_dim_contiguous("weight", weight)
 
@@ -210,7 +212,8 @@ def norm_linear(
     """Decode batches take one GEMV launch for all of it (fp8 weights: rms_norm_quantize, then
     ``fp8_gemv`` with SiLU-and-mul fused in)."""
     _check_gemv_weight(x, weight, weight_scale)
-    _check(not gated or weight.shape[0] % 2 == 0, f"a gated weight needs an even row count, got {weight.shape[0]}")
+    _check(not gated or weight.shape[0] % 2 == 0,
+           lambda: f"a gated weight needs an even row count, got {weight.shape[0]}")
     if not _use_gemv(x, weight):
         normed, residual = rms_norm(x, norm_weight, eps, residual)
         out = _batch_linear(normed, weight, weight_scale)

@@ -68,11 +68,11 @@ def store_kv(
     _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
     num_tokens = key.shape[0]
     kv_shape = (num_tokens, *k_cache.shape[2:])
-    _check(tuple(key.shape) == kv_shape, f"key must have shape {kv_shape}, got {tuple(key.shape)}")
-    _check(tuple(value.shape) == kv_shape, f"value must have shape {kv_shape}, got {tuple(value.shape)}")
+    _check(tuple(key.shape) == kv_shape, lambda: f"key must have shape {kv_shape}, got {tuple(key.shape)}")
+    _check(tuple(value.shape) == kv_shape, lambda: f"value must have shape {kv_shape}, got {tuple(value.shape)}")
     _check(
         tuple(slot_mapping.shape) == (num_tokens,),
-        f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}",
+        lambda: f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}",
     )
     _check_last_dim_contiguous("key", key)
     _check_last_dim_contiguous("value", value)

@@ -49,14 +49,14 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     """An RMSNorm's weight (``name``) and optional residual, for rows ``x``."""
     width = x.shape[-1]
     _check_tensor(name, weight, 1, _FLOAT_DTYPES)
-    _check(tuple(weight.shape) == (width,), f"{name} must have shape ({width},), got {tuple(weight.shape)}")
-    _check(weight.is_contiguous(), f"{name} must be contiguous")
+    _check(tuple(weight.shape) == (width,), lambda: f"{name} must have shape ({width},), got {tuple(weight.shape)}")
+    _check(weight.is_contiguous(), lambda: f"{name} must be contiguous")
     if residual is None:
         _check_devices(x=x, **{name: weight})
         return
     _check(
         isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype,
-        f"residual must match x ({tuple(x.shape)}, {x.dtype})",
+        lambda: f"residual must match x ({tuple(x.shape)}, {x.dtype})",
     )
     _check_devices(x=x, residual=residual, **{name: weight})
 
@@ -67,7 +67,7 @@ def rms_norm(
     _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
     rows = _as_rows(x, "x")
     width = x.shape[-1]
-    _check(width <= _MAX_ROW_WIDTH, f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
+    _check(width <= _MAX_ROW_WIDTH, lambda: f"rms_norm rows wider than {_MAX_ROW_WIDTH} are not supported, got {width}")
     _check_norm_inputs(x, weight, residual, "weight")
     residual_rows = rows if residual is None else _as_rows(residual, "residual")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -136,14 +136,15 @@ def _check_qk_norm(qk_norm: QKNorm | None, q: torch.Tensor) -> tuple[torch.Tenso
     (never read) and eps 0."""
     if qk_norm is None:
         return q, q, 0.0
-    _check(isinstance(qk_norm, QKNorm), f"qk_norm must be a kernels.QKNorm, got {type(qk_norm).__name__}")
+    _check(isinstance(qk_norm, QKNorm), lambda: f"qk_norm must be a kernels.QKNorm, got {type(qk_norm).__name__}")
     head_dim = q.shape[-1]
     for name, weight in (("qk_norm.q_weight", qk_norm.q_weight), ("qk_norm.k_weight", qk_norm.k_weight)):
         _check_tensor(name, weight, 1, _FLOAT_DTYPES)
-        _check(tuple(weight.shape) == (head_dim,), f"{name} must have shape ({head_dim},), got {tuple(weight.shape)}")
+        if tuple(weight.shape) != (head_dim,):
+            raise ValueError(f"{name} must have shape ({head_dim},), got {tuple(weight.shape)}")
         _check(weight.is_contiguous(), f"{name} must be contiguous")
         _check_devices(q=q, **{name: weight})
-    _check(qk_norm.eps > 0, f"qk_norm.eps must be > 0, got {qk_norm.eps}")
+    _check(qk_norm.eps > 0, lambda: f"qk_norm.eps must be > 0, got {qk_norm.eps}")
     return qk_norm.q_weight, qk_norm.k_weight, float(qk_norm.eps)
 
 
@@ -156,18 +157,18 @@ def rotary_embedding(
     _check_tensor("k", k, 3, _FLOAT_DTYPES)
     _check_tensor("cos_sin_cache", cos_sin_cache, 2, _FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
-    _check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    _check(head_dim % 2 == 0, lambda: f"head_dim must be even, got {head_dim}")
     _check(
         k.shape[0] == num_tokens and k.shape[2] == head_dim,
-        f"k must have shape ({num_tokens}, num_kv_heads, {head_dim}), got {tuple(k.shape)}",
+        lambda: f"k must have shape ({num_tokens}, num_kv_heads, {head_dim}), got {tuple(k.shape)}",
     )
     _check(
         tuple(positions.shape) == (num_tokens,),
-        f"positions must have shape ({num_tokens},), got {tuple(positions.shape)}",
+        lambda: f"positions must have shape ({num_tokens},), got {tuple(positions.shape)}",
     )
     _check(
         cos_sin_cache.shape[1] == head_dim,
-        f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
+        lambda: f"cos_sin_cache must have shape (max_position, {head_dim}), got {tuple(cos_sin_cache.shape)}",
     )
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         _check_last_dim_contiguous(name, t)
@@ -207,7 +208,7 @@ _SILU_BLOCK = 1024
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Computed in fp32 and rounded once."""
     _check(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, "x must be a float16/bfloat16/float32 tensor")
-    _check(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"x's last dim must be even, got shape {tuple(x.shape)}")
+    _check(x.dim() >= 1 and x.shape[-1] % 2 == 0, lambda: f"x's last dim must be even, got shape {tuple(x.shape)}")
     rows = _as_rows(x, "x")
     _check_devices(x=x)
     d = x.shape[-1] // 2

@@ -55,7 +55,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     rows, width = logits.shape
     _check(width > 0, "logits must have at least one column")
     num_chunks = triton.cdiv(width, _ARGMAX_BLOCK)
-    _check(num_chunks <= _ARGMAX_MAX_CHUNKS, f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
+    _check(num_chunks <= _ARGMAX_MAX_CHUNKS,
+           lambda: f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
