@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import DUMMY_CONFIGS
-from engine.models import int8_gemv
+from engine.models import cpu_kernels
 from engine.models.cpu import INT4_GROUP, PACK_ROWS, Int4
 from loadtest.stamp import emit
 
@@ -79,9 +79,9 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
     int8 = [int8_rows(w) for w in weights]
     int8_bf16 = [(q, s.bfloat16()) for q, s in int8]
     int4 = [Int4(w) for w in weights]
-    gemv = int8_gemv.load()
-    if gemv is None:
-        raise SystemExit("int8_gemv did not build (see its warning): no C compiler?")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("kvgate's CPU kernels did not build (see the warning): no C compiler?")
     return {
         "fp32 F.linear": (lambda: [F.linear(xs[w.shape[1]], w) for w in weights], fp32_bytes),
         "fp32 x @ Wt": (lambda: [xs[w.shape[0]] @ w for w in transposed], fp32_bytes),
@@ -96,7 +96,7 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
         "int8 _weight_int8pack_mm (fp32 x)": (
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
         "int8 kvgate int8_gemv (fp32 x)": (
-            lambda: [gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
+            lambda: [kernels.int8_gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
         "int8 widened to bf16 (bf16 x)": (
             lambda: [F.linear(xs_bf16[q.shape[1]], q.to(torch.bfloat16)) * s for q, s in int8_bf16], fp32_bytes // 4),
         "int4 _weight_int4pack_mm_for_cpu (bf16 x)": (

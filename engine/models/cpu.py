@@ -26,16 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import int8_gemv
+from engine.models import cpu_kernels
 from engine.models.layers import CausalLM
-from kernels import KernelOps
+from kernels import KernelOps, QKNorm
 
 # Products of at most this many rows use the transposed copy (x @ Wt); more rows the oneDNN-packed weight.
 TRANSPOSED_MAX_ROWS = 1
 # The row count oneDNN packs the weights for: between a decode batch and a prefill chunk (the packed
 # product is 1.5-2x F.linear's speed at 8-256 rows whichever of 1, 64 or the exact count it was packed for).
 PACK_ROWS = 64
-# Int8 products of at most this many rows use kvgate's kernel (engine.models.int8_gemv), where it builds.
+# Int8 products of at most this many rows use kvgate's kernel (engine.models.cpu_kernels), where it builds.
 GEMV_MAX_ROWS = 8
 INT4_GROUP = 32  # input columns per int4 scale and minimum (a GGUF Q4_0/Q4_1 block)
 # Where the CPU multiplies bf16 natively (AVX512-BF16, AMX), quantized products of many rows widen the
@@ -66,7 +66,7 @@ class Fp32Matmul:
 
 class Int8:
     """``x @ w.T`` for int8 ``w [out, in]`` over per-output-channel ``scale``, in ``x``'s dtype:
-    up to ``GEMV_MAX_ROWS`` rows through kvgate's own kernel (``engine.models.int8_gemv``: fp32
+    up to ``GEMV_MAX_ROWS`` rows through kvgate's own kernel (``engine.models.cpu_kernels``: fp32
     rows, each row's result whatever the batch), more through torch's (bf16 rows)."""
 
     widen_min_rows = 16
@@ -77,11 +77,11 @@ class Int8:
         self.weight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scale = scale.to(torch.bfloat16)  # torch's kernel takes scales in the activations' dtype
         self.scale_fp32 = self.scale.float()  # the same values for kvgate's kernel
-        self.gemv = int8_gemv.load()
+        self.kernels = cpu_kernels.load()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            return self.gemv(x.float().contiguous(), self.weight, self.scale_fp32).to(x.dtype)
+        if self.kernels is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return self.kernels.int8_gemv(x.float().contiguous(), self.weight, self.scale_fp32).to(x.dtype)
         if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
             return (F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scale).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scale)
@@ -129,11 +129,15 @@ class Int4:
 
 class CpuOps:
     """An op set whose ``linear``/``norm_linear`` call a weight's ``cpu_matmul`` when it has one (set
-    by the transforms below); every other op, and weights without one (an fp8 transform's, which
-    comes with its ``weight_scale``), are the base's."""
+    by the transforms below), and whose ``rms_norm``, ``silu_and_mul`` and ``decode_attention`` on
+    fp32 tensors are kvgate's compiled kernels (``engine.models.cpu_kernels``: one call each, where
+    torch's eager ops take 4-40 a layer), where they build. Every other op, other dtypes and layouts,
+    q/k norms, an fp8 cache, and weights without a ``cpu_matmul`` (an fp8 transform's, which comes
+    with its ``weight_scale``), are the base's."""
 
     def __init__(self, base: KernelOps) -> None:
         self.base = base
+        self.kernels = cpu_kernels.load()
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
@@ -146,9 +150,47 @@ class CpuOps:
         self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
         weight: torch.Tensor, gated: bool = False, weight_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = self.base.rms_norm(x, norm_weight, eps, residual)
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
         out = self.linear(normed, weight, weight_scale)
-        return (self.base.silu_and_mul(out) if gated else out), residual
+        return (self.silu_and_mul(out) if gated else out), residual
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernels is not None and x.dim() == 2 and _fp32_contiguous(x, weight, residual):
+            return self.kernels.rms_norm(x, weight, eps, residual)
+        return self.base.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and _fp32_contiguous(x):
+            return self.kernels.silu_and_mul(x)
+        return self.base.silu_and_mul(x)
+
+    def decode_attention(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, seq_lens_cpu: list[int] | None = None,
+        sliding_window: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        # q/k/v rows of one stride with contiguous heads (views of a fused qkv), fp32 everywhere (the
+        # stride of a dimension of size 1 is arbitrary)
+        rows = (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0)) and all(
+            t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) for t in (q, k, v))
+        if (self.kernels is not None and qk_norm is None and rows and q.dtype == k.dtype == v.dtype == torch.float32
+                and _fp32_contiguous(cos_sin_cache, k_cache, v_cache)
+                and positions.dtype == slot_mapping.dtype == torch.int64
+                and block_tables.dtype == seq_lens.dtype == torch.int32
+                and all(t.is_contiguous() for t in (positions, slot_mapping, block_tables, seq_lens))):
+            return self.kernels.decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                 block_tables, seq_lens, scale, sliding_window or 0)
+        return self.base.decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                          block_tables, seq_lens, scale, seq_lens_cpu, sliding_window, k_scale,
+                                          v_scale, qk_norm)
+
+
+def _fp32_contiguous(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
 
 
 def _head(model: CausalLM) -> nn.Parameter:

@@ -20,7 +20,7 @@ from benchmarks.accuracy import agreement, generate, smollm2_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
-from engine.models import int8_gemv
+from engine.models import cpu_kernels
 from engine.models.cpu import (
     INT4_GROUP,
     NATIVE_BF16,
@@ -67,8 +67,9 @@ def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype, rows):
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 96, 64), (3, 98, 72), (8, 7, 13), (2, 4, 576)])
 def test_int8_gemv_is_the_fp32_product_and_each_rows_own(rows, out_features, in_features):
     # out-features not a multiple of the kernel's tile of 4 rows, in-features not of its 8 lanes
-    gemv = int8_gemv.load()
-    assert gemv is not None, "the box has a C compiler"
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the box has a C compiler"
+    gemv = kernels.int8_gemv
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
     scale, x = torch.rand(out_features, generator=g), torch.randn(rows, in_features, generator=g)
@@ -87,12 +88,12 @@ def test_int8_gemv_is_the_fp32_product_and_each_rows_own(rows, out_features, in_
 
 def test_int8_matmul_without_a_compiler_uses_torchs_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert int8_gemv.load.__wrapped__() is None
-    monkeypatch.setattr(int8_gemv, "load", lambda: None)
+    assert cpu_kernels.load.__wrapped__() is None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 64, generator=g), torch.randn(1, 64, generator=g)
     matmul = Int8(weight)
-    assert matmul.gemv is None
+    assert matmul.kernels is None
     dequantized = matmul.weight.float() * matmul.scale.float()[:, None]
     torch.testing.assert_close(matmul(x), x.bfloat16().float() @ dequantized.T, atol=0.03, rtol=0.01)
 

@@ -1,0 +1,194 @@
+/* kvgate's CPU kernels (engine/models/cpu_kernels.py compiles them at first use for the CPU it
+ * runs on and calls them through ctypes). Threads: OpenMP, torch's own runtime (loaded before this
+ * library). Every output is computed in a fixed order whatever the batch or the thread count.
+ *
+ * int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] for int8 weights w [N, K] and fp32 rows
+ * x [M, K], the few-row product of engine.models.cpu.Int8, at the bandwidth of its bytes: each
+ * output one fp32 sum over k (8 partial sums over k mod 8, then added pairwise); the threads split
+ * the weight rows, four at a time (independent sums that hide the FMA latency at one row of x).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float finish(const float *p) {
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
+/* out[c] = sum_k x[k] * w[c * K + k] for c < C (any C: the tail of the weight rows; and no AVX2) */
+static void dot_any(const float *x, const int8_t *w, int64_t K, int C, float *out) {
+    for (int c = 0; c < C; c++) {
+        float p[8] = {0};
+        for (int64_t k = 0; k < K; k++) p[k % 8] += x[k] * (float)w[c * K + k];
+        out[c] = finish(p);
+    }
+}
+
+#ifdef __AVX2__
+#define PREFETCH_TILES 4
+
+static inline __m256 widen(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+/* out[c] = sum_k x[k] * w[c * K + k] for c < 4, K a multiple of 8: the same sums as dot_any's.
+ * Four rows read side by side are four short streams (SmolLM2's rows are 576 bytes) that the
+ * hardware prefetcher does not follow: the tile PREFETCH_TILES ahead is prefetched as we go. */
+static void dot4(const float *x, const int8_t *w, int64_t K, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const char *ahead = (const char *)(w + PREFETCH_TILES * 4 * K);
+    for (int64_t k = 0; k < K; k += 8) {
+        _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(xv, widen(w + k), a0);
+        a1 = _mm256_fmadd_ps(xv, widen(w + K + k), a1);
+        a2 = _mm256_fmadd_ps(xv, widen(w + 2 * K + k), a2);
+        a3 = _mm256_fmadd_ps(xv, widen(w + 3 * K + k), a3);
+    }
+    float p[4][8];
+    _mm256_storeu_ps(p[0], a0), _mm256_storeu_ps(p[1], a1), _mm256_storeu_ps(p[2], a2), _mm256_storeu_ps(p[3], a3);
+    for (int c = 0; c < 4; c++) out[c] = finish(p[c]);
+}
+#endif
+
+void int8_gemv(const float *x, const int8_t *w, const float *scale, float *y,
+               int64_t M, int64_t N, int64_t K, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n += 4) {
+        int C = N - n < 4 ? (int)(N - n) : 4;
+        float out[4];
+        for (int64_t m = 0; m < M; m++) {
+#ifdef __AVX2__
+            if (C == 4 && K % 8 == 0)
+                dot4(x + m * K, w + n * K, K, out);
+            else
+#endif
+                dot_any(x + m * K, w + n * K, K, C, out);
+            for (int c = 0; c < C; c++) y[m * N + n + c] = out[c] * scale[n + c];
+        }
+    }
+}
+
+/* ---- the small ops of a decode step, each one call instead of torch's 4-40 (fp32) ---------------- */
+
+/* 8 partial sums over i mod 8, added pairwise: sum_i a[i] * b[i] */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float p[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) p[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) p[i % 8] += a[i] * b[i];
+    return finish(p);
+}
+
+/* residual_out = x + residual (x alone when residual is NULL); out = residual_out * rsqrt(mean of its
+ * squares + eps) * weight; rows of H, contiguous. */
+void rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out,
+              float *residual_out, int64_t T, int64_t H, int threads) {
+    #pragma omp parallel for if (T > 1) num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float *rt = residual ? residual_out + t * H : (float *)xt;
+        if (residual)
+            for (int64_t i = 0; i < H; i++) rt[i] = xt[i] + residual[t * H + i];
+        float r = 1.0f / sqrtf(dot(rt, rt, H) / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[t * H + i] = rt[i] * r * weight[i];
+    }
+}
+
+/* out[t, i] = silu(x[t, i]) * x[t, d + i] for rows of 2d */
+void silu_and_mul(const float *x, float *out, int64_t T, int64_t d, int threads) {
+    #pragma omp parallel for if (T > 1) num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < d; i++) {
+            float g = x[t * 2 * d + i];
+            out[t * d + i] = g / (1.0f + expf(-g)) * x[t * 2 * d + d + i];
+        }
+}
+
+/* rotate-half RoPE of one head x[D] at cos/sin cs[D] (cos first, sin second) into out */
+static inline void rope(const float *x, const float *cs, int64_t D, float *out) {
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        out[i] = x[i] * cs[i] - x[i + half] * cs[half + i];
+        out[i + half] = x[i + half] * cs[i] + x[i] * cs[half + i];
+    }
+}
+
+#define AHEAD 8
+
+/* One new token per sequence (kernels' decode_attention contract, an fp32 cache): RoPE of q and k,
+ * k and v stored at slot_mapping, then attention over the sequence's pages (its last `window` keys
+ * when window > 0), the q heads that share a kv head together, so that each key and value row is
+ * read once. q/k/v rows are `row_stride` floats apart (views of a fused qkv), heads D apart. A
+ * padding row (slot < 0) gets zeros. Threads split (sequence, kv head) pairs when there is enough
+ * work to pay for waking them. */
+void decode_attention(const float *q, const float *k, const float *v, int64_t row_stride,
+                      const int64_t *positions, const float *cos_sin, float *k_cache, float *v_cache,
+                      const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
+                      const int32_t *seq_lens, float scale, int64_t window, float *out,
+                      int64_t S, int64_t NH, int64_t KV, int64_t D, int64_t BS, int threads) {
+    int64_t token = KV * D; /* floats per cache slot */
+    int64_t longest = 0;
+    for (int64_t s = 0; s < S; s++) {
+        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+        if (slots[s] < 0) continue;
+        const float *cs = cos_sin + positions[s] * D;
+        for (int64_t h = 0; h < KV; h++) {
+            rope(k + s * row_stride + h * D, cs, D, k_cache + slots[s] * token + h * D);
+            for (int64_t i = 0; i < D; i++) v_cache[slots[s] * token + h * D + i] = v[s * row_stride + h * D + i];
+        }
+    }
+    int64_t group = NH / KV;
+    int parallel = S * NH * longest * D >= (1 << 18);
+    #pragma omp parallel for if (parallel) num_threads(threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < S * KV; task++) {
+        int64_t s = task / KV, kvh = task % KV;
+        float *o = out + (s * NH + kvh * group) * D;
+        for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
+        if (slots[s] < 0) continue;
+        int64_t len = seq_lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+        float *qr = malloc(sizeof(float) * group * (D + n + 2)), *scores = qr + group * D;
+        float *top = scores + group * n, *total = top + group;
+        for (int64_t g = 0; g < group; g++) {
+            rope(q + s * row_stride + (kvh * group + g) * D, cos_sin + positions[s] * D, D, qr + g * D);
+            top[g] = -INFINITY, total[g] = 0.0f;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t key = first + j, slot = (int64_t)block_tables[s * max_blocks + key / BS] * BS + key % BS;
+            const float *kj = k_cache + slot * token + kvh * D;
+            if (j + AHEAD < n) { /* the pages' rows are short strided runs: fetch the row AHEAD keys on */
+                int64_t next = key + AHEAD, at = (int64_t)block_tables[s * max_blocks + next / BS] * BS + next % BS;
+                for (int64_t i = 0; i < D; i += 16) {
+                    __builtin_prefetch(k_cache + at * token + kvh * D + i);
+                    __builtin_prefetch(v_cache + at * token + kvh * D + i);
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float score = dot(qr + g * D, kj, D) * scale;
+                scores[g * n + j] = score;
+                top[g] = score > top[g] ? score : top[g];
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < n; j++) {
+                scores[g * n + j] = expf(scores[g * n + j] - top[g]);
+                total[g] += scores[g * n + j];
+            }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t key = first + j, slot = (int64_t)block_tables[s * max_blocks + key / BS] * BS + key % BS;
+            const float *restrict vj = v_cache + slot * token + kvh * D;
+            for (int64_t g = 0; g < group; g++) {
+                float p = scores[g * n + j], *restrict og = o + g * D;
+                for (int64_t i = 0; i < D; i++) og[i] += p * vj[i];
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < D; i++) o[g * D + i] /= total[g];
+        free(qr);
+    }
+}
