@@ -33,6 +33,7 @@ from engine.models.cpu import (
     transpose_weights,
 )
 from engine.models.fp8 import quantize_fp8
+from kernels import QKNorm, reference
 
 
 def clone(model):
@@ -84,6 +85,75 @@ def test_int8_gemv_is_the_fp32_product_and_each_rows_own(rows, out_features, in_
         assert torch.equal(out, alone) and torch.equal(out, gemv(x, w, scale))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_cpu_kernels_norm_and_silu_are_the_reference_ops(rows):
+    kernels = cpu_kernels.load()
+    g = torch.Generator().manual_seed(0)
+    x, residual, weight = (torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g),
+                           torch.randn(96, generator=g))
+    for res in (None, residual):
+        normed, new_residual = kernels.rms_norm(x, weight, 1e-5, res)
+        expected, expected_residual = reference.rms_norm(x, weight, 1e-5, res)
+        torch.testing.assert_close(normed, expected, atol=2e-6, rtol=1e-6)
+        assert torch.equal(new_residual, expected_residual) and (res is not None or new_residual is x)
+    gate_up = torch.randn(rows, 2 * 80, generator=g) * 4
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_kernels_decode_attention_is_the_reference_op(window):
+    # three sequences of 37, 1 and 0 (a padding row) keys over scattered pages; q/k/v views of one qkv
+    kernels = cpu_kernels.load()
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 6, 2, 16, 8, 20
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=g)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k, v = q.view(3, heads, dim), k.view(3, kv_heads, dim), v.view(3, kv_heads, dim)
+    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=g)
+    tables = torch.randperm(blocks, generator=g)[:15].view(3, 5).to(torch.int32)
+    lens = torch.tensor([37, 1, 0], dtype=torch.int32)
+    slots = torch.tensor([int(tables[0, 36 // block]) * block + 36 % block, int(tables[1, 0]) * block, -1])
+    positions = torch.tensor([36, 0, 0])
+    cos_sin = reference.rope_cos_sin_cache(dim, 64, 10000.0)
+    caches = (k_cache.clone(), v_cache.clone())
+    out = kernels.decode_attention(positions, q, k, v, cos_sin, *caches, slots, tables, lens, 0.25, window or 0)
+    expected = reference.decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, slots, tables, lens, 0.25,
+                                          sliding_window=window)
+    torch.testing.assert_close(out[:2], expected[:2], atol=2e-6, rtol=1e-5)
+    assert not out[2].any()  # the padding row
+    torch.testing.assert_close(caches[0], k_cache, atol=1e-6, rtol=1e-6)  # the stored keys, after RoPE
+    assert torch.equal(caches[1], v_cache)
+
+
+def test_cpu_ops_use_the_kernels_for_fp32_only(monkeypatch):
+    # bf16 rows, q/k norms and an fp8 cache go to the reference ops; fp32 ones to the kernels
+    ops = CpuOps(reference)
+    called = []
+    for name in ("rms_norm", "silu_and_mul", "decode_attention"):
+        monkeypatch.setattr(ops.kernels, name, lambda *args, _name=name: called.append(_name))
+    x, weight = torch.randn(2, 32), torch.randn(32)
+    ops.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5)
+    ops.silu_and_mul(x.bfloat16())
+    assert called == []
+    ops.rms_norm(x, weight, 1e-5)
+    ops.silu_and_mul(x)
+    assert called == ["rms_norm", "silu_and_mul"]
+    heads, kv_heads, dim = 2, 1, 16
+    q, k, v = torch.randn(1, (heads + 2 * kv_heads) * dim).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k, v = q.view(1, heads, dim), k.view(1, kv_heads, dim), v.view(1, kv_heads, dim)
+    cos_sin = reference.rope_cos_sin_cache(dim, 16, 10000.0)
+    cache, tables = torch.zeros(4, 4, kv_heads, dim), torch.zeros(1, 1, dtype=torch.int32)
+    pos, slots, lens, scale = torch.tensor([0]), torch.tensor([0]), torch.tensor([1], dtype=torch.int32), 0.25
+    fp8_cache, scales = cache.to(torch.float8_e4m3fn), torch.ones(kv_heads)
+    ops.decode_attention(pos, q, k, v, cos_sin, fp8_cache, fp8_cache.clone(), slots, tables, lens, scale,
+                         k_scale=scales, v_scale=scales)
+    ops.decode_attention(pos, q, k, v, cos_sin, cache, cache.clone(), slots, tables, lens, scale,
+                         qk_norm=QKNorm(torch.ones(dim), torch.ones(dim), 1e-6))
+    assert called == ["rms_norm", "silu_and_mul"]
+    ops.decode_attention(pos, q, k, v, cos_sin, cache, cache.clone(), slots, tables, lens, scale)
+    assert called[-1] == "decode_attention"
 
 
 def test_int8_matmul_without_a_compiler_uses_torchs_kernel(monkeypatch, tmp_path):
