@@ -10,9 +10,11 @@ that its op set calls instead of ``F.linear``.
   loaders, transforms and the HF twin read), so the weights take twice their memory, not three
   times; the tied embedding keeps its table (lookups read its rows).
 - int8 (``quantize``): weight-only int8 with one scale per output channel (row absolute
-  maximum / 127), multiplied by torch's int8 weight-pack kernel over bf16 activations (its fast
-  path); the LM head too (the tied embedding keeps its table). Norms, attention and the residual
-  stream stay in the model's dtype.
+  maximum / 127), multiplied by kvgate's int8 GEMV over fp32 rows up to ``GEMV_MAX_ROWS`` rows
+  (``engine.models.cpu_kernels``: 2.2x torch's kernel at one row on an AVX2 EPYC,
+  cpu_profile_matmul_epyc.jsonl), by torch's int8 weight-pack kernel over bf16 activations (its
+  fast path) beyond; the LM head too (the tied embedding keeps its table). Norms, attention and the
+  residual stream stay in the model's dtype.
 - int4 (``quantize``): weight-only 4-bit weights in groups of 32 input columns, each group over
   its own scale and minimum (``w = q * scale + min``, ``q`` in 0..15: the form of a GGUF Q4_1
   block), multiplied by torch's int4 weight-pack kernel over bf16 activations; the LM head in int8. Half
