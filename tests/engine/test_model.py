@@ -77,7 +77,10 @@ def test_chunked_prefill_and_decode_match_full_prefill(smollm2, block_size):
 
     full = all_logits(model, config, {"a": tokens}, block_size=block_size, seed=2)
     rows = [6, 19, len(PROMPT) - 1, len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
-    assert (torch.stack(stepped) - full[rows]).abs().max().item() <= 1e-4
+    # the decode steps' attention is another kernel than the full prefill's (on the CPU kvgate's compiled
+    # decode attention once an engine gave the session's model its CPU ops): fp32 rounding apart, which
+    # grows with the logits (up to ~25 here: 1.1e-4 seen)
+    torch.testing.assert_close(torch.stack(stepped), full[rows], atol=1e-4, rtol=1e-5)
 
 
 # --- Hugging Face directory ------------------------------------------------------------------
