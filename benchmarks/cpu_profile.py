@@ -97,6 +97,8 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
         "int8 kvgate int8_gemv (fp32 x)": (
             lambda: [kernels.int8_gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4),
+        "int8 widened to fp32 (fp32 x)": (
+            lambda: [F.linear(xs[q.shape[1]], q.float()) * s for q, s in int8], fp32_bytes // 4),
         "int8 widened to bf16 (bf16 x)": (
             lambda: [F.linear(xs_bf16[q.shape[1]], q.to(torch.bfloat16)) * s for q, s in int8_bf16], fp32_bytes // 4),
         "int4 _weight_int4pack_mm_for_cpu (bf16 x)": (

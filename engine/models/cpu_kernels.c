@@ -55,9 +55,10 @@ static void dot4(const float *x, const int8_t *w, int64_t K, float *out) {
 }
 #endif
 
-void int8_gemv(const float *x, const int8_t *w, const float *scale, float *y,
-               int64_t M, int64_t N, int64_t K, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
+/* The rows of y = x @ (w * scale[:, None]).T, four weight rows at a time: inside a parallel region the
+ * team shares them (an orphaned `omp for`, with its barrier at the end), outside one thread does all. */
+static void gemv_team(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += 4) {
         int C = N - n < 4 ? (int)(N - n) : 4;
         float out[4];
@@ -73,6 +74,12 @@ void int8_gemv(const float *x, const int8_t *w, const float *scale, float *y,
     }
 }
 
+void int8_gemv(const float *x, const int8_t *w, const float *scale, float *y,
+               int64_t M, int64_t N, int64_t K, int threads) {
+    #pragma omp parallel num_threads(threads)
+    gemv_team(x, w, scale, y, M, N, K);
+}
+
 /* ---- the small ops of a decode step, each one call instead of torch's 4-40 (fp32) ---------------- */
 
 /* 8 partial sums over i mod 8, added pairwise: sum_i a[i] * b[i] */
@@ -85,29 +92,39 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return finish(p);
 }
 
+/* out = r * rsqrt(mean of r's squares + eps) * weight for the row r = x + add, stored in sum (r = x when
+ * add is NULL) */
+static void norm_row(const float *x, const float *add, const float *weight, float eps, int64_t H, float *out,
+                     float *sum) {
+    const float *r = x;
+    if (add) {
+        for (int64_t i = 0; i < H; i++) sum[i] = x[i] + add[i];
+        r = sum;
+    }
+    float inv = 1.0f / sqrtf(dot(r, r, H) / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) out[i] = r[i] * inv * weight[i];
+}
+
 /* residual_out = x + residual (x alone when residual is NULL); out = residual_out * rsqrt(mean of its
  * squares + eps) * weight; rows of H, contiguous. */
 void rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out,
               float *residual_out, int64_t T, int64_t H, int threads) {
     #pragma omp parallel for if (T > 1) num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * H;
-        float *rt = residual ? residual_out + t * H : (float *)xt;
-        if (residual)
-            for (int64_t i = 0; i < H; i++) rt[i] = xt[i] + residual[t * H + i];
-        float r = 1.0f / sqrtf(dot(rt, rt, H) / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) out[t * H + i] = rt[i] * r * weight[i];
+    for (int64_t t = 0; t < T; t++)
+        norm_row(x + t * H, residual ? residual + t * H : NULL, weight, eps, H, out + t * H, residual_out + t * H);
+}
+
+/* out[i] = silu(x[i]) * x[d + i] for a row of 2d */
+static void silu_row(const float *x, float *out, int64_t d) {
+    for (int64_t i = 0; i < d; i++) {
+        float g = x[i];
+        out[i] = g / (1.0f + expf(-g)) * x[d + i];
     }
 }
 
-/* out[t, i] = silu(x[t, i]) * x[t, d + i] for rows of 2d */
 void silu_and_mul(const float *x, float *out, int64_t T, int64_t d, int threads) {
     #pragma omp parallel for if (T > 1) num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < d; i++) {
-            float g = x[t * 2 * d + i];
-            out[t * d + i] = g / (1.0f + expf(-g)) * x[t * 2 * d + d + i];
-        }
+    for (int64_t t = 0; t < T; t++) silu_row(x + t * 2 * d, out + t * d, d);
 }
 
 /* rotate-half RoPE of one head x[D] at cos/sin cs[D] (cos first, sin second) into out */
@@ -121,74 +138,151 @@ static inline void rope(const float *x, const float *cs, int64_t D, float *out) 
 
 #define AHEAD 8
 
-/* One new token per sequence (kernels' decode_attention contract, an fp32 cache): RoPE of q and k,
- * k and v stored at slot_mapping, then attention over the sequence's pages (its last `window` keys
- * when window > 0), the q heads that share a kv head together, so that each key and value row is
- * read once. q/k/v rows are `row_stride` floats apart (views of a fused qkv), heads D apart. A
- * padding row (slot < 0) gets zeros. Threads split (sequence, kv head) pairs when there is enough
- * work to pay for waking them. */
+/* A decode batch: one new token per sequence (kernels' decode_attention contract, an fp32 cache of
+ * pages of BS slots, each slot KV heads of D floats); q/k/v rows `row_stride` floats apart (views of a
+ * fused qkv), heads D apart. */
+typedef struct {
+    const int64_t *positions, *slots;
+    const float *cos_sin;
+    const int32_t *block_tables, *seq_lens;
+    int64_t max_blocks, row_stride, S, NH, KV, D, BS;
+    float scale;
+} decode_batch;
+
+/* RoPE of each sequence's new k, stored with its v at the sequence's slot (a padding row's < 0) */
+static void store_kv(const decode_batch *b, const float *k, const float *v, float *k_cache, float *v_cache) {
+    int64_t token = b->KV * b->D, D = b->D; /* floats per cache slot */
+    for (int64_t s = 0; s < b->S; s++) {
+        int64_t slot = b->slots[s];
+        if (slot < 0) continue;
+        const float *cs = b->cos_sin + b->positions[s] * D;
+        for (int64_t h = 0; h < b->KV; h++) {
+            rope(k + s * b->row_stride + h * D, cs, D, k_cache + slot * token + h * D);
+            for (int64_t i = 0; i < D; i++) v_cache[slot * token + h * D + i] = v[s * b->row_stride + h * D + i];
+        }
+    }
+}
+
+/* Attention of sequence task / KV's q heads that share kv head task % KV, over the sequence's pages
+ * (its last `window` keys when window > 0), into their rows of out [S, NH, D]: each key and value row
+ * read once for the group. A padding row gets zeros. */
+static void attend(const decode_batch *b, int64_t task, const float *q, const float *k_cache, const float *v_cache,
+                   int64_t window, float *out) {
+    int64_t KV = b->KV, D = b->D, BS = b->BS, token = KV * D, group = b->NH / KV;
+    int64_t s = task / KV, kvh = task % KV;
+    const int32_t *table = b->block_tables + s * b->max_blocks;
+    float *o = out + (s * b->NH + kvh * group) * D;
+    for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
+    if (b->slots[s] < 0) return;
+    int64_t len = b->seq_lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+    float *qr = malloc(sizeof(float) * group * (D + n + 2)), *scores = qr + group * D;
+    float *top = scores + group * n, *total = top + group;
+    for (int64_t g = 0; g < group; g++) {
+        rope(q + s * b->row_stride + (kvh * group + g) * D, b->cos_sin + b->positions[s] * D, D, qr + g * D);
+        top[g] = -INFINITY, total[g] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        int64_t key = first + j, slot = (int64_t)table[key / BS] * BS + key % BS;
+        const float *kj = k_cache + slot * token + kvh * D;
+        if (j + AHEAD < n) { /* the pages' rows are short strided runs: fetch the row AHEAD keys on */
+            int64_t next = key + AHEAD, at = (int64_t)table[next / BS] * BS + next % BS;
+            for (int64_t i = 0; i < D; i += 16) {
+                __builtin_prefetch(k_cache + at * token + kvh * D + i);
+                __builtin_prefetch(v_cache + at * token + kvh * D + i);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float score = dot(qr + g * D, kj, D) * b->scale;
+            scores[g * n + j] = score;
+            top[g] = score > top[g] ? score : top[g];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t j = 0; j < n; j++) {
+            scores[g * n + j] = expf(scores[g * n + j] - top[g]);
+            total[g] += scores[g * n + j];
+        }
+    for (int64_t j = 0; j < n; j++) {
+        int64_t key = first + j, slot = (int64_t)table[key / BS] * BS + key % BS;
+        const float *restrict vj = v_cache + slot * token + kvh * D;
+        for (int64_t g = 0; g < group; g++) {
+            float p = scores[g * n + j], *restrict og = o + g * D;
+            for (int64_t i = 0; i < D; i++) og[i] += p * vj[i];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < D; i++) o[g * D + i] /= total[g];
+    free(qr);
+}
+
+/* RoPE of q and k, k and v stored at the slots, attention over the pages (decode_batch, attend).
+ * Threads split (sequence, kv head) pairs when there is enough work to pay for waking them. */
 void decode_attention(const float *q, const float *k, const float *v, int64_t row_stride,
                       const int64_t *positions, const float *cos_sin, float *k_cache, float *v_cache,
                       const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
                       const int32_t *seq_lens, float scale, int64_t window, float *out,
                       int64_t S, int64_t NH, int64_t KV, int64_t D, int64_t BS, int threads) {
-    int64_t token = KV * D; /* floats per cache slot */
+    decode_batch b = {positions, slots, cos_sin, block_tables, seq_lens, max_blocks, row_stride, S, NH, KV, D, BS,
+                      scale};
+    store_kv(&b, k, v, k_cache, v_cache);
     int64_t longest = 0;
-    for (int64_t s = 0; s < S; s++) {
-        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
-        if (slots[s] < 0) continue;
-        const float *cs = cos_sin + positions[s] * D;
-        for (int64_t h = 0; h < KV; h++) {
-            rope(k + s * row_stride + h * D, cs, D, k_cache + slots[s] * token + h * D);
-            for (int64_t i = 0; i < D; i++) v_cache[slots[s] * token + h * D + i] = v[s * row_stride + h * D + i];
-        }
-    }
-    int64_t group = NH / KV;
+    for (int64_t s = 0; s < S; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
     int parallel = S * NH * longest * D >= (1 << 18);
     #pragma omp parallel for if (parallel) num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < S * KV; task++) {
-        int64_t s = task / KV, kvh = task % KV;
-        float *o = out + (s * NH + kvh * group) * D;
-        for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
-        if (slots[s] < 0) continue;
-        int64_t len = seq_lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
-        float *qr = malloc(sizeof(float) * group * (D + n + 2)), *scores = qr + group * D;
-        float *top = scores + group * n, *total = top + group;
-        for (int64_t g = 0; g < group; g++) {
-            rope(q + s * row_stride + (kvh * group + g) * D, cos_sin + positions[s] * D, D, qr + g * D);
-            top[g] = -INFINITY, total[g] = 0.0f;
+    for (int64_t task = 0; task < S * KV; task++) attend(&b, task, q, k_cache, v_cache, window, out);
+}
+
+/* ---- a Llama decoder's decode step in one call ---------------------------------------------------- */
+
+/* One Llama decoder layer's weights (int8 rows over fp32 per-row scales), cache and window */
+typedef struct {
+    const float *input_norm, *post_norm;
+    const int8_t *qkv, *o, *gate_up, *down;
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    float *k_cache, *v_cache;
+    int64_t window;
+} int8_layer;
+
+/* The decode step of a stack of L Llama layers and the final norm over the embedded tokens x [S, H]
+ * into out [S, H]: the ops of engine.models.llama with the kernels above, in the same order, so the
+ * result is theirs bit for bit; one parallel region for all (the threads wait at each op's end
+ * instead of being woken for each of a layer's ~8 ops). I: the MLP's intermediate size. */
+void int8_decoder_stack(const int8_layer *layers, int64_t L, const float *final_norm, float eps, const float *x,
+                        float *out, const int64_t *positions, const float *cos_sin, const int64_t *slots,
+                        const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float scale,
+                        int64_t S, int64_t H, int64_t NH, int64_t KV, int64_t D, int64_t I, int64_t BS,
+                        int threads) {
+    int64_t Q = (NH + 2 * KV) * D;
+    decode_batch b = {positions, slots, cos_sin, block_tables, seq_lens, max_blocks, Q, S, NH, KV, D, BS, scale};
+    float *residual = malloc(sizeof(float) * S * (3 * H + Q + NH * D + 3 * I));
+    float *hidden = residual + S * H, *normed = hidden + S * H, *qkv = normed + S * H, *att = qkv + S * Q;
+    float *gate_up = att + S * NH * D, *act = gate_up + S * 2 * I;
+    #pragma omp parallel num_threads(threads)
+    for (int64_t l = 0; l < L; l++) {
+        const int8_layer *layer = layers + l;
+        #pragma omp single
+        for (int64_t s = 0; s < S; s++) {
+            if (l == 0) /* the first layer's residual is the embedding */
+                for (int64_t i = 0; i < H; i++) residual[s * H + i] = x[s * H + i];
+            norm_row(l ? hidden + s * H : residual + s * H, l ? residual + s * H : NULL, layer->input_norm, eps,
+                     H, normed + s * H, residual + s * H);
         }
-        for (int64_t j = 0; j < n; j++) {
-            int64_t key = first + j, slot = (int64_t)block_tables[s * max_blocks + key / BS] * BS + key % BS;
-            const float *kj = k_cache + slot * token + kvh * D;
-            if (j + AHEAD < n) { /* the pages' rows are short strided runs: fetch the row AHEAD keys on */
-                int64_t next = key + AHEAD, at = (int64_t)block_tables[s * max_blocks + next / BS] * BS + next % BS;
-                for (int64_t i = 0; i < D; i += 16) {
-                    __builtin_prefetch(k_cache + at * token + kvh * D + i);
-                    __builtin_prefetch(v_cache + at * token + kvh * D + i);
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float score = dot(qr + g * D, kj, D) * scale;
-                scores[g * n + j] = score;
-                top[g] = score > top[g] ? score : top[g];
-            }
-        }
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t j = 0; j < n; j++) {
-                scores[g * n + j] = expf(scores[g * n + j] - top[g]);
-                total[g] += scores[g * n + j];
-            }
-        for (int64_t j = 0; j < n; j++) {
-            int64_t key = first + j, slot = (int64_t)block_tables[s * max_blocks + key / BS] * BS + key % BS;
-            const float *restrict vj = v_cache + slot * token + kvh * D;
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * n + j], *restrict og = o + g * D;
-                for (int64_t i = 0; i < D; i++) og[i] += p * vj[i];
-            }
-        }
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < D; i++) o[g * D + i] /= total[g];
-        free(qr);
+        gemv_team(normed, layer->qkv, layer->qkv_scale, qkv, S, Q, H);
+        #pragma omp single
+        store_kv(&b, qkv + NH * D, qkv + (NH + KV) * D, layer->k_cache, layer->v_cache);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < S * KV; task++)
+            attend(&b, task, qkv, layer->k_cache, layer->v_cache, layer->window, att);
+        gemv_team(att, layer->o, layer->o_scale, hidden, S, H, NH * D);
+        #pragma omp single
+        for (int64_t s = 0; s < S; s++)
+            norm_row(hidden + s * H, residual + s * H, layer->post_norm, eps, H, normed + s * H, residual + s * H);
+        gemv_team(normed, layer->gate_up, layer->gate_up_scale, gate_up, S, 2 * I, H);
+        #pragma omp single
+        for (int64_t s = 0; s < S; s++) silu_row(gate_up + s * 2 * I, act + s * I, I);
+        gemv_team(act, layer->down, layer->down_scale, hidden, S, H, I);
     }
+    for (int64_t s = 0; s < S; s++)
+        norm_row(hidden + s * H, residual + s * H, final_norm, eps, H, out + s * H, residual + s * H);
+    free(residual);
 }

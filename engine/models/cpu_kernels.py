@@ -45,7 +45,17 @@ SIGNATURES = {
     "silu_and_mul": [_P] * 2 + [_I64] * 2 + [ctypes.c_int],
     "decode_attention": [_P] * 3 + [_I64] + [_P] * 6 + [_I64] + [_P] + [_F] + [_I64] + [_P] + [_I64] * 5
     + [ctypes.c_int],
+    "int8_decoder_stack": [_P, _I64, _P, _F] + [_P] * 6 + [_I64, _P, _F] + [_I64] * 7 + [ctypes.c_int],
 }
+
+
+class Int8Layer(ctypes.Structure):
+    """One Llama decoder layer for ``int8_decoder_stack``: its norms' weights, its int8 projections and
+    their fp32 per-row scales, its KV cache pages and its sliding window (0: none)."""
+
+    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scale",
+                                        "o_scale", "gate_up_scale", "down_scale", "k_cache", "v_cache")]
+    _fields_ += [("window", _I64)]
 
 
 def _cache_dir() -> Path:
@@ -118,6 +128,23 @@ class CpuKernels:
             k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), scale, window, out.data_ptr(), num_seqs, num_heads,
             k.shape[1], head_dim, k_cache.shape[1], torch.get_num_threads(),
+        )
+        return out
+
+    def int8_decoder_stack(
+        self, layers: ctypes.Array, final_norm: torch.Tensor, eps: float, x: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        scale: float, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, block_size: int,
+    ) -> torch.Tensor:
+        """A Llama decoder's decode step: ``layers`` (an array of :class:`Int8Layer`) and the final
+        norm over the embedded tokens ``x [S, H]`` (fp32), with ``decode_attention``'s batch
+        layout; the final hidden states ``[S, H]``, bit for bit those of the model's ops run one by one."""
+        out = torch.empty_like(x)
+        self.lib.int8_decoder_stack(
+            layers, len(layers), final_norm.data_ptr(), eps, x.data_ptr(), out.data_ptr(), positions.data_ptr(),
+            cos_sin_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            seq_lens.data_ptr(), scale, x.shape[0], x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size,
+            block_size, torch.get_num_threads(),
         )
         return out
 

@@ -186,6 +186,8 @@ class CausalLM(nn.Module):
 
     model: nn.Module
     lm_head: Linear | None
+    # A transform's whole decode step where it ``fits`` a step (engine.models.cpu.Int8DecoderStack)
+    decode_stack = None
 
     def __init__(self, config: ModelConfig, ops: KernelOps, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -217,6 +219,8 @@ class CausalLM(nn.Module):
         attn: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
+        if self.decode_stack is not None and self.decode_stack.fits(input_ids, attn, kv_caches):
+            return self.decode_stack(input_ids, positions, attn, kv_caches)
         return self.model(input_ids, positions, attn, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

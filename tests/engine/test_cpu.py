@@ -5,6 +5,7 @@ values and the fp32 engine's greedy tokens, the lazily committed KV pool, the th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from paged import PagedKV
 
 import engine.cpu
 from benchmarks.accuracy import agreement, generate, smollm2_prompts
-from engine.config import EngineConfig
+from engine.config import SLIDING_ATTENTION, EngineConfig
 from engine.core import EngineCore
 from engine.cpu import GOVERNOR_WINDOW_S, ThreadGovernor, lazy_zeros, resident_bytes
 from engine.models import cpu_kernels
@@ -28,12 +29,14 @@ from engine.models.cpu import (
     Fp32Matmul,
     Int4,
     Int8,
+    Int8DecoderStack,
     quantize,
     quantized_as,
     transpose_weights,
 )
 from engine.models.fp8 import quantize_fp8
-from kernels import QKNorm, reference
+from engine.models.llama import LlamaForCausalLM
+from kernels import QKNorm, load_ops, reference
 
 
 def clone(model):
@@ -236,6 +239,44 @@ def test_engine_applies_the_cpu_matmul_path(tiny, quantization, weight_dtype, le
     other = "int4" if quantization == "int8" else "int8"  # an engine built again on the quantized model
     with pytest.raises(ValueError, match=f"quantized to {quantization} already, not {other}"):
         EngineCore.from_model(EngineConfig(model="tiny", quantization=other), quantized.runner.model, tiny[1])
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_int8_decoder_stack_is_the_models_ops_bit_for_bit(tiny, window, monkeypatch):
+    model, config = tiny
+    if window:  # every layer sliding (Mistral's shape): one KV layer group
+        config = dataclasses.replace(config, layer_types=(SLIDING_ATTENTION,) * config.num_layers,
+                                     sliding_window=window)
+        windowed = LlamaForCausalLM(config, load_ops("torch"))
+        windowed.load_state_dict(model.state_dict())
+        model = windowed
+    quantized = quantize(clone(model), "int8")
+    stack = quantized.decode_stack
+    assert isinstance(stack, Int8DecoderStack)
+    calls = []
+    run_stack = cpu_kernels.CpuKernels.int8_decoder_stack
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "int8_decoder_stack",
+                        lambda self, layers, *args: calls.append(len(layers)) or run_stack(self, layers, *args))
+    steps = [{"a": list(range(5, 25)), "b": list(range(40, 47))}]  # a prefill: the model's own ops
+    steps += [{"a": [3 + i], "b": [4 + i]} for i in range(8)] + [{"a": [9]}]  # decodes of two rows and of one
+    kv_stack, kv_ops = PagedKV(config, seed=1), PagedKV(config, seed=1)
+    threads = torch.get_num_threads()
+    for chunks in steps:
+        with_stack = kv_stack.step(quantized, chunks)
+        quantized.decode_stack = None  # the same ops one by one, on one thread
+        torch.set_num_threads(1)
+        try:
+            one_by_one = kv_ops.step(quantized, chunks)
+        finally:
+            quantized.decode_stack = stack
+            torch.set_num_threads(threads)
+        assert torch.equal(with_stack, one_by_one)
+    assert calls == [config.num_layers] * (len(steps) - 1)
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(kv_stack.kv_caches, kv_ops.kv_caches)
+               for a, b in zip(pair_a, pair_b))
+    # bf16 models and int4 weights get no stack
+    assert quantize(clone(model).to(torch.bfloat16), "int8").decode_stack is None
+    assert quantize(clone(model), "int4").decode_stack is None
 
 
 @pytest.mark.slow
