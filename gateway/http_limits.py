@@ -11,7 +11,11 @@ counted, never answered and never closed, and enough of them exhaust the process
 - past ``max_connections`` a new connection closes the oldest one that has not sent a whole head (a slow
   or idle client holds no request); only when every connection is running a request does the new one
   get a 503. Descriptors are then never exhausted, and a slow client cannot lock out a fast one;
-- malformed HTTP gets an OpenAI-shaped 400 rather than uvicorn's plain text.
+- malformed HTTP gets an OpenAI-shaped 400 rather than uvicorn's plain text;
+- a refused connection closes the way nginx's ``lingering_close`` does: the answer, then a FIN, then what
+  the client still sends is read and dropped for up to ``LINGER_S``. Closed at once with unread input,
+  the socket would send a RST, which can destroy the answer before the client reads it (a 431 for a head
+  still arriving reached the client as "connection reset by peer" on a loaded 2-core box).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.errors import APIError
 
 FD_HEADROOM = 64  # descriptors kept for engines, Redis, logs and the tokenizer's files
+LINGER_S = 2.0  # how long a refused connection drops the client's input before it closes
 
 
 class HttpLimits(NamedTuple):
@@ -57,6 +62,7 @@ def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
     class LimitedProtocol(HttpToolsProtocol):
         _timer: TimerHandle | None = None
+        _lingering = False  # refused: answered and half-closed, dropping input until it closes
         _in_head = False
         _head_bytes = 0  # received since the head began (an unfinished head's size)
         _head_size = 0  # of the request line and headers parsed
@@ -78,12 +84,14 @@ def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return
             if not self._in_head and (self.cycle is None or self.cycle.response_complete):
                 self._start_head()  # the next request on a kept-alive connection
             if self._in_head:
                 self._head_bytes += len(data)
             super().data_received(data)
-            if self._in_head and self._head_bytes > limits.max_header_bytes and not self.transport.is_closing():
+            if self._in_head and self._head_bytes > limits.max_header_bytes and not self._refused():
                 self._refuse(431, f"the request head exceeds {limits.max_header_bytes} bytes")
 
         def on_url(self, url: bytes) -> None:
@@ -104,12 +112,12 @@ def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
-            if not self.transport.is_closing():  # refused: the rest of the read is not a request's
+            if not self._refused():  # the rest of the read is not a request's
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
             self._cancel_timer()
-            if not self.transport.is_closing():
+            if not self._refused():
                 super().on_message_complete()
 
         def on_response_complete(self) -> None:
@@ -140,12 +148,21 @@ def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 self._timer.cancel()
                 self._timer = None
 
+        def _refused(self) -> bool:
+            return self._lingering or self.transport.is_closing()
+
         def _refuse(self, status: int, message: str) -> None:
-            """Answer ``status`` unless a response has started, then close."""
-            if self.transport.is_closing():
+            """Answer ``status`` unless a response has started, then close, lingering (see the module)."""
+            if self._refused():
                 return
-            if self.cycle is None or not self.cycle.response_started:
-                self.transport.write(error_bytes(status, message))
-            self.close()
+            if (self.cycle is not None and self.cycle.response_started) or not self.transport.can_write_eof():
+                self.close()  # a response of the app's own is being written: it ends here
+                return
+            self.transport.write(error_bytes(status, message))
+            self.transport.write_eof()
+            self._lingering = True
+            waiting[self] = None  # holds no request: a new connection past the limit may close it
+            self._cancel_timer()
+            self._timer = self.loop.call_later(LINGER_S, self.close)
 
     return LimitedProtocol
