@@ -197,7 +197,7 @@ def servers(args, gguf: Path) -> dict[str, Server]:
         # the engine as it was before its OpenMP workers spun (engine.cpu.ThreadGovernor): they sleep
         "kvgate-sleeping": Server("kvgate-sleeping", "fp32", kvgate, env={"OMP_WAIT_POLICY": "PASSIVE"},
                                   extra={"ignore_eos": True}),
-        "kvgate-int8": Server("kvgate-int8", "int8 weights, bf16 activations",
+        "kvgate-int8": Server("kvgate-int8", "int8 weights; fp32 activations up to 8 rows, bf16 beyond",
                               [*kvgate, "--engine-args", "--quantization int8"], extra={"ignore_eos": True},
                               workloads=("decode_b1", "prefill_2k")),
         "kvgate-int4": Server("kvgate-int4", "int4 weights (groups of 32, scale and minimum), bf16 activations",
