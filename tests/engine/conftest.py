@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged import peaky_tiny
+from paged import clone, peaky_tiny
 
 from engine.models.loader import load_model, load_tokenizer_info
 from engine.protocol import default_model_path
@@ -25,6 +25,19 @@ def gguf_path() -> Path:
 def smollm2(gguf_path):
     """``(model, config)``: our SmolLM2 from the GGUF, CPU fp32, torch reference ops."""
     return load_model(str(gguf_path), "gguf", "cpu", torch.float32, load_ops("torch"))
+
+
+@pytest.fixture(scope="session")
+def fp32_reference(smollm2):
+    """The fp32 engine's greedy tokens and logprobs on benchmarks.accuracy's 20 SmolLM2 prompts (32
+    tokens each), from a copy of the session's model (an engine gives its model the CPU ops): what
+    quantized variants are measured against."""
+    from benchmarks.accuracy import generate, smollm2_prompts
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    model, config = smollm2
+    return generate(EngineCore.from_model(EngineConfig(model="smollm2"), clone(model), config), smollm2_prompts(), 32)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Hashable
 
@@ -25,6 +26,11 @@ def peaky_tiny(
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return model, config
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with its own weights, sharing its op set (a module: not copyable)."""
+    return copy.deepcopy(model, memo={id(model.ops): model.ops})
 
 
 class PagedKV:

@@ -4,7 +4,6 @@ values and the fp32 engine's greedy tokens, the lazily committed KV pool, the th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import subprocess
@@ -14,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from paged import PagedKV
+from paged import PagedKV, clone
 
 import engine.cpu
 from benchmarks.accuracy import agreement, generate, smollm2_prompts
@@ -37,11 +36,6 @@ from engine.models.cpu import (
 from engine.models.fp8 import quantize_fp8
 from engine.models.llama import LlamaForCausalLM
 from kernels import QKNorm, load_ops, reference
-
-
-def clone(model):
-    """A copy of ``model`` with its own weights, sharing its op set (a module: not copyable)."""
-    return copy.deepcopy(model, memo={id(model.ops): model.ops})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 300])
@@ -288,12 +282,11 @@ def test_int8_decoder_stack_is_the_models_ops_bit_for_bit(tiny, window, monkeypa
     # regrouped (to bf16 scales), the head int8; a 4-bit head measured 0.216 (0.108).
     ("int4", 0.5, 0.05),
 ])
-def test_quantized_weights_greedy_agreement_on_smollm2(smollm2, quantization, least_agreement, most_dlogprob):
-    prompts = smollm2_prompts()
-    fp32 = generate(EngineCore.from_model(EngineConfig(model="smollm2"), clone(smollm2[0]), smollm2[1]), prompts, 32)
+def test_quantized_weights_greedy_agreement_on_smollm2(smollm2, fp32_reference, quantization, least_agreement,
+                                                       most_dlogprob):
     model = quantize(clone(smollm2[0]), quantization)
-    result = agreement(fp32, generate(EngineCore.from_model(EngineConfig(model="smollm2", quantization=quantization),
-                                                            model, smollm2[1]), prompts, 32))
+    core = EngineCore.from_model(EngineConfig(model="smollm2", quantization=quantization), model, smollm2[1])
+    result = agreement(fp32_reference, generate(core, smollm2_prompts(), 32))
     print(f"{quantization} weights vs fp32 weights on SmolLM2:", result.record())
     assert result.agreement >= least_agreement and result.mean_abs_dlogprob <= most_dlogprob
 

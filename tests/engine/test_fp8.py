@@ -4,13 +4,12 @@ SmolLM2 (reference ops, CPU)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 
 import pytest
 import torch
-from paged import PagedKV
+from paged import PagedKV, clone
 from test_kv_groups import gemma_tiny  # noqa: F401 (a fixture)
 from test_model import save_hf_llama
 
@@ -21,11 +20,6 @@ from engine.kv_quant import FP8_KV, HEADROOM, calibrate_kv_scales
 from engine.models.fp8 import FP8, is_fp8, is_fp8_lm_head, quantize_fp8, quantize_weight
 from engine.models.loader import ModelLoadError, load_model
 from kernels import load_ops, reference
-
-
-def clone(model):
-    """A copy of ``model`` with its own weights, sharing its op set (a module: not copyable)."""
-    return copy.deepcopy(model, memo={id(model.ops): model.ops})
 
 
 def make_core(model_and_config, **settings) -> EngineCore:
@@ -165,12 +159,6 @@ def test_partly_quantized_checkpoint_is_refused(tmp_path):
     save_file(stored, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="up_proj.weight' is torch.float32, expected float8_e4m3fn"):
         load_model(str(tmp_path), "auto", "cpu", torch.float32, load_ops("torch"))
-
-
-@pytest.fixture(scope="module")
-def fp32_reference(smollm2):
-    """The fp32 engine's greedy tokens and logprobs on the 20 prompts (32 tokens each)."""
-    return generate(make_core(smollm2), smollm2_prompts(), 32)
 
 
 @pytest.mark.slow
