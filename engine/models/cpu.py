@@ -13,8 +13,10 @@ that its op set calls instead of ``F.linear``.
   maximum / 127), multiplied by kvgate's int8 GEMV over fp32 rows up to ``GEMV_MAX_ROWS`` rows
   (``engine.models.cpu_kernels``: 2.2x torch's kernel at one row on an AVX2 EPYC,
   cpu_profile_matmul_epyc.jsonl), by torch's int8 weight-pack kernel over bf16 activations (its
-  fast path) beyond; the LM head too (the tied embedding keeps its table). Norms, attention and the
-  residual stream stay in the model's dtype.
+  fast path) beyond, and from 64 rows (a prefill chunk) widened to fp32 on CPUs without native
+  bf16; the LM head too (the tied embedding keeps its table). Norms, attention and the residual
+  stream stay in the model's dtype. An fp32 Llama model's decode steps run in one C call
+  (``Int8DecoderStack``).
 - int4 (``quantize``): weight-only 4-bit weights in groups of 32 input columns, each group over
   its own scale and minimum (``w = q * scale + min``, ``q`` in 0..15: the form of a GGUF Q4_1
   block), multiplied by torch's int4 weight-pack kernel over bf16 activations; the LM head in int8. Half
@@ -73,9 +75,14 @@ class Fp32Matmul:
 class Int8:
     """``x @ w.T`` for int8 ``w [out, in]`` over per-output-channel ``scale``, in ``x``'s dtype:
     up to ``GEMV_MAX_ROWS`` rows through kvgate's own kernel (``engine.models.cpu_kernels``: fp32
-    rows, each row's result whatever the batch), more through torch's (bf16 rows)."""
+    rows, each row's result whatever the batch), more through torch's (bf16 rows), many widened
+    (to bf16 where the CPU multiplies it natively, else fp32 rows to fp32)."""
 
     widen_min_rows = 16
+    # Without native bf16, products of this many rows or more widen the weights to fp32 for oneDNN's fp32
+    # matmul instead: SmolLM2's 121 matmuls at 512 rows 1,721 ms against the weight-pack kernel's 3,089 over bf16
+    # rows, 407 against 474 at 64 rows, 233 against 116 at 16 (cpu_profile_matmul_widen_epyc.jsonl, 2 EPYC cores).
+    widen_fp32_min_rows = 64
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.float().contiguous()  # (a transposed layout's weight is a transposed view; the kernels read rows)
@@ -90,6 +97,8 @@ class Int8:
             return self.kernels.int8_gemv(x.float().contiguous(), self.weight, self.scale_fp32).to(x.dtype)
         if NATIVE_BF16 and x.shape[0] >= self.widen_min_rows:
             return (F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scale).to(x.dtype)
+        if not NATIVE_BF16 and x.dtype == torch.float32 and x.shape[0] >= self.widen_fp32_min_rows:
+            return F.linear(x, self.weight.float()) * self.scale_fp32
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scale)
         return out.to(x.dtype)
 

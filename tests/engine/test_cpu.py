@@ -46,7 +46,7 @@ def test_fp32_matmul_is_f_linear(rows):
 
 
 # 5 rows go through kvgate's kernel, 12 through torch's packed one, 300 widen the weights to bf16 (where
-# the CPU has native bf16)
+# the CPU has native bf16; fp32 rows elsewhere widen them to fp32)
 @pytest.mark.parametrize("rows", [5, 12, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_matmul_is_the_product_of_its_dequantized_weights(dtype, rows):
