@@ -360,7 +360,8 @@ class EngineConfig:
         "none", "weight quantization of the linear layers; fp8 = E4M3 weights with per-output-channel scales "
                 "(quantized at load, or read from an FP8 checkpoint), activations quantized with per-token "
                 "scales; int8 (CPU only) = int8 weights with per-output-channel scales (the LM head too), up to 8 "
-                "rows over fp32 activations by kvgate's own kernel (more rows over bf16 ones); int4 (CPU only) "
+                "rows over fp32 activations by kvgate's own kernel (an fp32 Llama model's decode step in one C "
+                "call), more over bf16 ones, from 64 rows widened to fp32 on CPUs without native bf16; int4 (CPU only) "
                 "= 4-bit weights in groups of 32 input columns, each over a scale and a minimum (a GGUF Q4_1 "
                 "block's form; the LM head in int8), over bf16 activations",
         choices=QUANTIZATIONS)
