@@ -6,6 +6,8 @@
  * x [M, K], the few-row product of engine.models.cpu.Int8, at the bandwidth of its bytes: each
  * output one fp32 sum over k (8 partial sums over k mod 8, then added pairwise); the threads split
  * the weight rows, four at a time (independent sums that hide the FMA latency at one row of x).
+ * rms_norm, silu_and_mul, decode_attention: a decode step's small ops in fp32. int8_decoder_stack: a
+ * Llama decoder's whole decode step over them, in one parallel region (engine.models.cpu.Int8DecoderStack).
  */
 #include <math.h>
 #include <stdint.h>

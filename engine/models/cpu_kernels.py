@@ -9,6 +9,8 @@ of the GIL):
 - ``rms_norm``, ``silu_and_mul``, ``decode_attention``: a decode step's small ops in fp32, one call
   each where torch's eager ops take 4-40 (each a few microseconds of dispatch on 2 cores: more
   than the arithmetic of a batch-1 step), with the semantics of ``kernels.reference``'s.
+- ``int8_decoder_stack``: a Llama decoder's decode step (every layer over the kernels above, then
+  the final norm) in one call and one OpenMP region, for ``engine.models.cpu.Int8DecoderStack``.
 
 Each output is computed in a fixed order whatever the batch or the thread count. Without a
 compiler ``load()`` returns None and torch's ops serve (logged once).
