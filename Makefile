@@ -9,6 +9,8 @@ PORT ?= 8000
 ENGINES ?= 1
 REDIS_URL ?=
 MODEL ?=
+# pytest-xdist workers of `make test`, each taking whole files (module fixtures stay in one worker).
+TEST_WORKERS ?= 2
 
 .PHONY: install run lint test bench-cpu clean
 
@@ -41,7 +43,7 @@ test: lint
 	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --port 6379 --save ""
 	@command -v docker-compose >/dev/null || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench-cpu: install
 	$(PY) benchmarks/engine_cpu.py
