@@ -198,10 +198,6 @@ _FP8_GEMV_MIN_BLOCK_M = 16
 # Up to this many rows of quantized x go through fp8_gemv; more go to torch._scaled_mm.
 FP8_GEMV_MAX_ROWS = 64
 _FP8_GEMV_MAX_SPLITS = 16
-# Weight bytes each program loads into registers before its PDL wait (the interpreter's narrow
-# tiles preload one and two steps), and whether the next kernel may launch before that wait.
-FP8_GEMV_PRELOAD_BYTES = 1024 if _INTERPRETED else 32768
-FP8_GEMV_TRIGGER_EARLY = False
 
 # Tiles by the most rows they serve (1 or FP8_GEMV_MAX_ROWS) and weight shape (rows, in_features)
 # where one differs from the default: the fastest timed (kernels_bench.py --only fp8 --sweep; Llama
@@ -225,8 +221,7 @@ def _fp8_gemv_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counters_ptr, rows, n_out, k_in, k_per_split,
     x_stride, w_stride, out_stride,
     GATED: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD_K: tl.constexpr, TRIGGER_EARLY: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (column block, K split): ``acc[cols, rows] = w[cols, ks] @ x[rows, ks]^T`` of fp8
     (E4M3) weights and rows quantized per row, on the tensor cores in fp8 x fp8, accumulated in
@@ -235,11 +230,7 @@ def _fp8_gemv_kernel(
     GATED: ``silu(gate) * up`` of the rounded pair (the up rows follow the gate's). SPLIT: the
     program writes its partial sums and counts its arrival; the column block's last merges the
     partials (in split order, so the result does not depend on the order of arrival), writes the
-    output and resets the counter for the next launch. PRELOAD_K (0 or a multiple of BLOCK_K): the
-    split's first PRELOAD_K features of weights are loaded into registers before the PDL wait
-    (they do not depend on the previous kernel), so that they stream in while that one ends; they
-    are multiplied after the loop, so that its pipelined loads issue right after the wait.
-    TRIGGER_EARLY: the next kernel may launch before this one's wait, not after its loop."""
+    output and resets the counter for the next launch."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,24 +241,13 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
     up_rows = w_rows + n_out.to(tl.int64) * w_stride
     x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, k_in)
-    if PRELOAD_K > 0:
-        k_pre = k_lo + tl.arange(0, PRELOAD_K)
-        pre_mask = n_ok[:, None] & (k_pre < k_hi)[None, :]  # a last split may be shorter
-        w_pre = tl.load(w_rows + k_pre[None, :], mask=pre_mask, other=0.0, eviction_policy="evict_first")
-        if GATED:
-            up_pre = tl.load(up_rows + k_pre[None, :], mask=pre_mask, other=0.0, eviction_policy="evict_first")
     if USE_PDL:
-        if TRIGGER_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PRELOAD_K > 0:
-        x_pre = tl.load(x_rows + k_pre[None, :], mask=m_ok[:, None] & (k_pre < k_hi)[None, :], other=0.0)
-    for k_start in range(k_lo + PRELOAD_K, k_hi, BLOCK_K):
+    k_lo = split * k_per_split
+    for k_start in range(k_lo, tl.minimum(k_lo + k_per_split, k_in), BLOCK_K):
         k = k_start + kk
         k_ok = k < k_in
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
@@ -277,17 +257,7 @@ def _fp8_gemv_kernel(
         if GATED:
             up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(up.to(DOT_DTYPE), tl.trans(x), acc_up, input_precision="ieee")
-    if PRELOAD_K > 0:
-        if USE_PDL:  # their stores to shared memory for the dots stay behind the loop's first loads
-            w_pre = _held_in_registers(w_pre)
-            x_pre = _held_in_registers(x_pre)
-            if GATED:
-                up_pre = _held_in_registers(up_pre)
-        x_pre = x_pre.to(DOT_DTYPE)
-        acc = tl.dot(w_pre.to(DOT_DTYPE), tl.trans(x_pre), acc, input_precision="ieee")
-        if GATED:
-            acc_up = tl.dot(up_pre.to(DOT_DTYPE), tl.trans(x_pre), acc_up, input_precision="ieee")
-    if USE_PDL and not TRIGGER_EARLY:  # the next kernel may launch: only the merge and the stores remain
+    if USE_PDL:  # the next kernel may launch: only the merge and the stores remain
         tl.extra.cuda.gdc_launch_dependents()
 
     x_scale = tl.load(x_scale_ptr + m, mask=m_ok, other=1.0)
@@ -316,14 +286,6 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _held_in_registers(x):
-    """fp8 ``x`` unchanged, by an opaque move that the compiler keeps in place, and its uses after
-    it: a preloaded tile is otherwise stored to shared memory for its dot right after its load,
-    and that store waits for the load to land before anything after it issues."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=4)
-
-
-@triton.jit
 def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr, n_out, out_stride,
                     GATED: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` (columns n of rows m) times the row and channel scales, rounded
@@ -337,14 +299,6 @@ def _fp8_gemv_store(acc, acc_up, x_scale, n, n_ok, m, m_ok, w_scale_ptr, out_ptr
         gate = y.to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
     tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
-
-
-def _fp8_gemv_preload_k(tiles: Fp8GemvTiles, k_per_split: int, gated: bool) -> int:
-    """Features a program preloads: the most steps (a power of two, within its split) whose weight
-    tiles (gate and up with ``gated``) fit FP8_GEMV_PRELOAD_BYTES."""
-    steps = min(FP8_GEMV_PRELOAD_BYTES // (tiles.block_n * tiles.block_k * (2 if gated else 1)),
-                k_per_split // tiles.block_k)
-    return 0 if steps < 1 else tiles.block_k * (1 << (steps.bit_length() - 1))
 
 
 def fp8_gemv_tiles(weight: torch.Tensor, rows: int) -> Fp8GemvTiles:
@@ -383,8 +337,7 @@ def fp8_gemv(
     _fp8_gemv_kernel[(n_blocks, splits)](
         x, x_scale, weight, weight_scale, out, partial, counters, rows, n_out, k_in, k_per_split, x.stride(0),
         weight.stride(0), out.stride(0), GATED=gated, DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float8e4nv,
-        SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        PRELOAD_K=_fp8_gemv_preload_k(tiles, k_per_split, gated), TRIGGER_EARLY=FP8_GEMV_TRIGGER_EARLY,
-        **_pdl_args(x.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_pdl_args(x.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

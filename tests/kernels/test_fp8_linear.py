@@ -87,19 +87,6 @@ def test_one_row_is_quantized_as_in_a_batch(ops):
     assert_close(ops.linear(x[:1], weight, scale), one_row, rtol=2 * ULP[torch.float32], atol=ULP[torch.float32])
 
 
-@pytest.mark.parametrize("preload_bytes", [0, 512, 1024, 2048])
-@pytest.mark.parametrize("n_out", [40, 160], ids=["split_k", "one_split"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_fp8_gemv_preloaded_steps(ops, monkeypatch, preload_bytes, n_out, gated):
-    # 200 features in steps of 32: split K gives splits of 3 steps and a last one of 8 features
-    # (the preloaded steps masked to it); one split preloads up to 4 steps and loops over the rest.
-    monkeypatch.setattr(fp8, "FP8_GEMV_PRELOAD_BYTES", preload_bytes)
-    x, residual, norm_weight, _, weight, scale = fp8_inputs(3, n_out, 200, torch.float32, gated)
-    out, _ = ops.norm_linear(x, norm_weight, 1e-5, residual, weight, gated, scale)
-    expected, _ = reference.norm_linear(x, norm_weight, 1e-5, residual, weight, gated, scale)
-    assert_close(out, expected, rtol=(8 if gated else 4) * ULP[torch.float32], atol=4 * ULP[torch.float32])
-
-
 def test_fp8_gemv_takes_quantized_rows(ops):
     x, _, _, _, weight, scale = fp8_inputs(2, 40, 72, torch.float32)
     with pytest.raises(ValueError, match="fp8_gemv takes up to 64 rows of fp8 x with their x_scale"):
