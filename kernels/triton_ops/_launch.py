@@ -40,25 +40,6 @@ def _pdl_args(device: torch.device) -> dict:
     return dict(USE_PDL=False)
 
 
-
-# triton.cdiv and triton.next_power_of_2 are constexpr functions: called from the host, each goes
-# through Triton's constexpr unwrapping (331 calls a step, ~3 of a profiled eager step's 50 ms on
-# the H100's host). The same arithmetic in plain Python:
-def cdiv(x: int, y: int) -> int:
-    return (x + y - 1) // y
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of 2 >= n (as triton.next_power_of_2, for n < 2**64)."""
-    n -= 1
-    n |= n >> 1
-    n |= n >> 2
-    n |= n >> 4
-    n |= n >> 8
-    n |= n >> 16
-    n |= n >> 32
-    return n + 1
-
 # Per device: the arrival counters of the kernels whose last program merges the others' partials
 # (split-K decode_attention: one per (seq, kv head); argmax: one per row).
 _ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -23,7 +23,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
     _kv_scales,
 )
-from kernels.triton_ops._launch import _DECODE_PROGRAMS_PER_SM, _num_sms, cdiv, fast_launch, next_power_of_2
+from kernels.triton_ops._launch import _DECODE_PROGRAMS_PER_SM, _num_sms, fast_launch
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LOG2E = math.log2(math.e)
@@ -409,8 +409,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
 
     Depends on shapes only (``max_context`` is the block table's capacity), so a CUDA graph
     captured once stays correct and well split for any lengths it replays with."""
-    wanted = cdiv(_DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
-    by_length = cdiv(max_context, 2 * block_n)
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    by_length = triton.cdiv(max_context, 2 * block_n)
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
 
 
@@ -465,7 +465,7 @@ def _new_rows_descriptors(
 
 def _dot_pad(n: int) -> int:
     """``n`` rounded up to a power of two, at least 16: tl.dot's smallest operand side."""
-    return max(16, next_power_of_2(n))
+    return max(16, triton.next_power_of_2(n))
 
 
 def _cache_strides(k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[int, int, int, int]:
@@ -593,7 +593,7 @@ def _launch_prefill(
     tiles = attention_tiles("prefill", head_dim_pad, q.dtype)
     # A window tile reads every key through the block table (see _prefill_attention_kernel).
     key_desc, value_desc = (None, None) if window else _new_rows_descriptors(key, value, tiles.block_n, head_dim_pad)
-    _prefill_attention_kernel[(num_heads, cdiv(max_q_len, tiles.block_m), seq_lens.shape[0])](
+    _prefill_attention_kernel[(num_heads, triton.cdiv(max_q_len, tiles.block_m), seq_lens.shape[0])](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale, out, key_desc, value_desc,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, block_tables), window,

@@ -17,7 +17,7 @@ from kernels.triton_ops._checks import (
     _check_last_dim_contiguous,
     _check_tensor,
 )
-from kernels.triton_ops._launch import _pdl_args, cdiv, fast_launch
+from kernels.triton_ops._launch import _pdl_args, fast_launch
 from kernels.triton_ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_gemv, quantize_rows, rms_norm_quantize, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
@@ -175,7 +175,7 @@ def _launch_gemv(
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     unused = x  # a pointer argument the kernel's flags leave unread
     tiles = GEMV_TILES
-    grid = (cdiv(n_out, tiles.block_n), rows)
+    grid = (triton.cdiv(n_out, tiles.block_n), rows)
     _gemv_kernel[grid](
         x, unused if residual is None else residual, unused if norm_weight is None else norm_weight,
         weight, out, residual_out, n_out, k_in, eps,

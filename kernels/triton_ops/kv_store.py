@@ -16,7 +16,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
     _kv_scales,
 )
-from kernels.triton_ops._launch import fast_launch, next_power_of_2
+from kernels.triton_ops._launch import fast_launch
 from kernels.triton_ops.fp8 import to_fp8
 
 
@@ -87,7 +87,7 @@ def store_kv(
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         num_warps=4,
     )

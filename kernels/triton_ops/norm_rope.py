@@ -17,7 +17,7 @@ from kernels.triton_ops._checks import (
     _check_last_dim_contiguous,
     _check_tensor,
 )
-from kernels.triton_ops._launch import cdiv, fast_launch, next_power_of_2
+from kernels.triton_ops._launch import fast_launch
 
 _MAX_ROW_WIDTH = 65536
 
@@ -77,7 +77,7 @@ def rms_norm(
     num_rows = rows.shape[0] * rows.shape[1]
     if num_rows == 0 or width == 0:
         return out, residual_out
-    block = next_power_of_2(width)
+    block = triton.next_power_of_2(width)
     _rms_norm_kernel[(num_rows,)](
         rows, residual_rows, weight, out, residual_out, eps, width, rows.shape[1],
         rows.stride(0), rows.stride(1), residual_rows.stride(0), residual_rows.stride(1),
@@ -187,9 +187,9 @@ def rotary_embedding(
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_out, k_out, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads, HEADS_PAD=next_power_of_2(num_heads),
-        NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=next_power_of_2(num_kv_heads),
-        HALF=half, HALF_PAD=next_power_of_2(half), HAS_NORM=qk_norm is not None, num_warps=4,
+        NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+        NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), HAS_NORM=qk_norm is not None, num_warps=4,
     )
     return q_out, k_out
 
@@ -220,8 +220,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_rows = rows.shape[0] * rows.shape[1]
     if num_rows == 0 or d == 0:
         return out
-    block = min(_SILU_BLOCK, next_power_of_2(d))
-    _silu_and_mul_kernel[(num_rows, cdiv(d, block))](
+    block = min(_SILU_BLOCK, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
         rows, out, d, rows.shape[1], rows.stride(0), rows.stride(1), BLOCK=block, num_warps=4,
     )
     return out

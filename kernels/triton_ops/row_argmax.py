@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_ops._checks import _FLOAT_DTYPES, _check, _check_devices, _check_last_dim_contiguous, _check_tensor
-from kernels.triton_ops._launch import _arrival_counters, cdiv, fast_launch, next_power_of_2
+from kernels.triton_ops._launch import _arrival_counters, fast_launch
 
 _ARGMAX_BLOCK = 4096  # values per program
 _ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
@@ -55,7 +55,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     _check_devices(logits=logits)
     rows, width = logits.shape
     _check(width > 0, "logits must have at least one column")
-    num_chunks = cdiv(width, _ARGMAX_BLOCK)
+    num_chunks = triton.cdiv(width, _ARGMAX_BLOCK)
     _check(num_chunks <= _ARGMAX_MAX_CHUNKS,
            lambda: f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -66,6 +66,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     partial_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, num_chunks)](
         logits, out, partial_val, partial_idx, counters, width, logits.stride(0),
-        BLOCK=_ARGMAX_BLOCK, CHUNKS_PAD=next_power_of_2(num_chunks), num_warps=4,
+        BLOCK=_ARGMAX_BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
     )
     return out

@@ -136,11 +136,3 @@ def test_the_op_kernels_launch_through_it():
                norm_rope._rms_norm_kernel, norm_rope._rotary_kernel, norm_rope._silu_and_mul_kernel,
                row_argmax._argmax_kernel]
     assert all(isinstance(k, _launch.FastLaunch) for k in kernels)
-
-
-def test_host_arithmetic_matches_tritons():
-    values = [*range(0, 4100), 65535, 65536, 65537, 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]
-    assert [_launch.next_power_of_2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
-    assert [_launch.cdiv(n, d) for n in values for d in (1, 7, 64)] == [
-        triton.cdiv(n, d) for n in values for d in (1, 7, 64)
-    ]
