@@ -4,14 +4,10 @@ programmatic dependent launch, and the arrival counters of kernels whose last pr
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
-from triton import knobs
 
-from kernels.triton_ops._checks import _INTERPRETED, _check
-
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+from kernels.triton_ops._checks import _check
 
 # Split-K decode aims for this many programs per multiprocessor (see decode_num_splits).
 _DECODE_PROGRAMS_PER_SM = 4
@@ -68,94 +64,3 @@ def _arrival_counters(device: torch.device, needed: int, op: str) -> torch.Tenso
         lambda: f"{op} needs {needed} arrival counters, more than the {counters.numel()} there are",
     )
     return counters
-
-
-# --- the launch path of eager steps --------------------------------------------------------------
-
-try:  # what Triton's own binder calls for each runtime argument (triton 3.6 and 3.7)
-    from triton._C.libtriton import native_specialize_impl as _specialize
-    from triton.backends.compiler import BaseBackend as _SpecializeBackend
-except ImportError:  # another Triton: every launch takes Triton's own path
-    _specialize = None
-
-
-def _runtime_params(fn) -> tuple[inspect.Parameter, ...]:
-    """The parameters of the ``triton.jit`` function ``fn`` that are not ``tl.constexpr``; they must
-    all come before the constexprs (the launch contract of :class:`FastLaunch`)."""
-    params = tuple(inspect.signature(fn.fn).parameters.values())
-    constexpr = ["constexpr" in str(p.annotation) for p in params]
-    runtime = constexpr.index(True) if True in constexpr else len(params)
-    if any(not c for c in constexpr[runtime:]):
-        raise TypeError(f"{fn.fn.__name__}: its runtime parameters must all come before its constexprs")
-    return params[:runtime]
-
-
-class FastLaunch:
-    """A ``triton.jit`` kernel launched as ``kernel[grid](*runtime_args, **constexprs_and_options)``,
-    through the compiled kernel's launcher once Triton's own path has compiled (or found) it for the
-    arguments' specialization. Triton's ``JITFunction.run`` builds the bound arguments, its cache key,
-    the launch metadata and reads its knobs on every call: 25-60 us of host time a launch, 181 of them
-    in an eager SmolLM2 step (benchmarks/results/step_phases_h100.jsonl). Here the key is what Triton
-    keys its compiled kernels on: each runtime argument's specialization (Triton's own
-    ``native_specialize_impl`` with the kernel's own flags), the constexprs and launch options by
-    name, and the device; anything else (the interpreter, launch hooks, another Triton) takes
-    Triton's own path. Contract, checked on every launch: the runtime arguments are passed
-    positionally, all of them, and the constexprs and options by keyword."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        runtime = _runtime_params(fn)
-        self._num_runtime = len(runtime)
-        self._names = tuple(p.name for p in runtime)
-        # per runtime argument: Triton's (is_const, specialize, align) flags for native_specialize_impl
-        self._flags: tuple[tuple[bool, bool, bool], ...] | None = None
-        # key -> (compiled kernel, the constexpr values after the runtime arguments)
-        self._compiled: dict[tuple, tuple[object, tuple]] = {}
-
-    def __getitem__(self, grid: tuple[int, ...]):
-        return functools.partial(self._launch, grid)
-
-    def _check_args(self, args: tuple, kwargs: dict) -> None:
-        if len(args) != self._num_runtime:
-            raise TypeError(f"{self.fn.fn.__name__} takes its {self._num_runtime} runtime arguments positionally, "
-                            f"got {len(args)}")
-        named = set(kwargs) & set(self._names)
-        if named:
-            raise TypeError(f"{self.fn.fn.__name__}: pass {sorted(named)} positionally")
-
-    def _launch(self, grid: tuple[int, ...], *args, **kwargs) -> None:
-        if len(args) != self._num_runtime or _INTERPRETED:
-            self._check_args(args, kwargs)
-        hook = knobs.runtime.launch_enter_hook  # 3.7: a HookChain, empty unless a profiler added to it
-        hooked = hook is not None and bool(getattr(hook, "calls", True))
-        if _INTERPRETED or _specialize is None or _current_stream is None or hooked:
-            self.fn[grid](*args, **kwargs)
-            return
-        flags = self._flags
-        if flags is None:
-            flags = self._flags = tuple(
-                (kp.is_const, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment)
-                for kp in self.fn.params[:self._num_runtime]
-            )
-        device = torch.cuda.current_device()
-        key = (device, *[_specialize(_SpecializeBackend, a, c, s, al) for a, (c, s, al) in zip(args, flags)],
-               *kwargs.items())
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._check_args(args, kwargs)
-            kernel = self.fn[grid](*args, **kwargs)  # Triton's own path: compiles if it must, launches
-            if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
-                constexprs = tuple(kwargs.get(kp.name, kp.default) for kp in self.fn.params[self._num_runtime:])
-                self._compiled[key] = (kernel, constexprs)
-            return
-        kernel, constexprs = compiled
-        dims = len(grid)
-        kernel.run(
-            grid[0], grid[1] if dims > 1 else 1, grid[2] if dims > 2 else 1, _current_stream(device),
-            kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs,
-        )
-
-
-def fast_launch(fn) -> FastLaunch:
-    """Decorator under ``@triton.jit``: see :class:`FastLaunch`."""
-    return FastLaunch(fn)

@@ -23,7 +23,7 @@ from kernels.triton_ops._checks import (
     _check_tensor,
     _kv_scales,
 )
-from kernels.triton_ops._launch import _DECODE_PROGRAMS_PER_SM, _num_sms, fast_launch
+from kernels.triton_ops._launch import _DECODE_PROGRAMS_PER_SM, _num_sms
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LOG2E = math.log2(math.e)
@@ -164,7 +164,6 @@ def _split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 # The block table's width follows the batch: never specialize on it (nor on the split count or
 # the window).
-@fast_launch
 @triton.jit(do_not_specialize=["num_splits", "block_tables_stride", "window"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, k_scale_ptr, v_scale_ptr,
@@ -229,7 +228,6 @@ def _decode_attention_kernel(
         )
 
 
-@fast_launch
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr, num_splits, window,
@@ -263,7 +261,6 @@ def _decode_reduce_kernel(
     tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@fast_launch
 @triton.jit(do_not_specialize=["block_tables_stride", "window"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, k_scale_ptr, v_scale_ptr,

@@ -17,7 +17,7 @@ from kernels.triton_ops._checks import (
     _check_last_dim_contiguous,
     _check_tensor,
 )
-from kernels.triton_ops._launch import _pdl_args, fast_launch
+from kernels.triton_ops._launch import _pdl_args
 from kernels.triton_ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_gemv, quantize_rows, rms_norm_quantize, scaled_linear
 from kernels.triton_ops.norm_rope import _check_norm_inputs, rms_norm, silu_and_mul
 
@@ -61,7 +61,6 @@ def _gemv_x_tile(
     return x
 
 
-@fast_launch
 @triton.jit
 def _gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, w_ptr, out_ptr, residual_out_ptr,

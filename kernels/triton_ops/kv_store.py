@@ -16,7 +16,6 @@ from kernels.triton_ops._checks import (
     _check_tensor,
     _kv_scales,
 )
-from kernels.triton_ops._launch import fast_launch
 from kernels.triton_ops.fp8 import to_fp8
 
 
@@ -31,7 +30,6 @@ def _to_cache(x, scale, cache_ptr):
     return y
 
 
-@fast_launch
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,

@@ -17,12 +17,10 @@ from kernels.triton_ops._checks import (
     _check_last_dim_contiguous,
     _check_tensor,
 )
-from kernels.triton_ops._launch import fast_launch
 
 _MAX_ROW_WIDTH = 65536
 
 
-@fast_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, width, rows_inner,
@@ -109,7 +107,6 @@ def _rotate_heads(
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, q_norm_ptr, k_norm_ptr, eps,
@@ -194,7 +191,6 @@ def rotary_embedding(
     return q_out, k_out
 
 
-@fast_launch
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, rows_inner, x_stride0, x_stride1, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -7,13 +7,12 @@ import triton
 import triton.language as tl
 
 from kernels.triton_ops._checks import _FLOAT_DTYPES, _check, _check_devices, _check_last_dim_contiguous, _check_tensor
-from kernels.triton_ops._launch import _arrival_counters, fast_launch
+from kernels.triton_ops._launch import _arrival_counters
 
 _ARGMAX_BLOCK = 4096  # values per program
 _ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
 
 
-@fast_launch
 @triton.jit(do_not_specialize=["width"])
 def _argmax_kernel(
     x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride,
