@@ -5,8 +5,8 @@
           around the core's, scheduler's and runner's methods), then the device's timeline of a decode step
           from events: its input copies and scatter, the graph replay, the token copy back, and the idle
           time until the next step's first op (the host was late)
-  eager   cProfile of the steps that run eagerly (no CUDA graph): a lone 128-token prefill, a 512-token
-          prefill joining 64 decoding sequences; then of graphed decode steps at 64 for comparison
+  eager   host time (unprofiled, then under cProfile) of the steps that run eagerly (no CUDA graph): a lone 128-token
+          prefill, a 512-token prefill joining 64 decoding sequences; then of graphed decode steps at 64 for comparison
   served  the sidecar (the app of ``python -m engine serve``, its engine in its own process) at batch B
           for R runs of B x 128-token prompts x 512 new tokens, each run after a batch-1 run as gpu_bench's
           served section does; the engine process's core is instrumented and writes one record per run:
@@ -231,20 +231,26 @@ def bench_b1(model: str, tokens: int, device: str) -> None:
 
 
 def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], repeats: int) -> None:
-    """cProfile over ``repeats`` steps, each the first step after ``setup(i)`` (which queues its work)."""
+    """``repeats`` steps timed on the host without a profiler, then cProfile over ``repeats`` more, each
+    the first step after ``setup(i)`` (which queues its work); the device is idle at each step's start."""
     import cProfile
     import pstats
 
-    profiler = cProfile.Profile()
-    seconds = []
-    for i in range(repeats):
+    def one_step(i: int, run: Callable) -> float:
         setup(i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        profiler.runcall(core.step)
-        seconds.append(time.perf_counter() - t0)
+        run(core.step)
+        return time.perf_counter() - t0
+
+    unprofiled = [one_step(i, lambda step: step()) for i in range(repeats)]
+    profiler = cProfile.Profile()
+    seconds = [one_step(repeats + i, profiler.runcall) for i in range(repeats)]
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
     emit(bench="step_phases_eager", scenario=name, steps=repeats,
+         unprofiled_ms_per_step=[round(t * 1e3, 2) for t in unprofiled],
          ms_per_step=[round(t * 1e3, 2) for t in seconds],
          top_own_time=["function,calls per step,own ms per step,cumulative ms per step", *[
              (f"{os.path.basename(f)}:{line}:{fn}", round(calls / repeats, 1), round(own / repeats * 1e3, 3),
