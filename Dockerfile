@@ -6,6 +6,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C compiler: on the CPU the engine builds its kernels (engine/models/cpu_kernels.c) at first use for the
+# host it runs on (-march=native), into the user's ~/.cache/kvgate; without one it falls back to torch's ops.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 kvgate
 WORKDIR /app
 
