@@ -39,6 +39,10 @@ class GatewayMetrics:
         self.replica_utilization = Gauge(
             "kvgate_gateway_replica_utilization",
             "Busy fraction of a replica's engine loop, smoothed over recent health polls", ["replica"], registry=r)
+        self.replica_kv_footprint = Gauge(
+            "kvgate_gateway_replica_kv_footprint",
+            "Share of a replica's KV blocks in use or holding cached prefixes, as of its last health poll "
+            "(the router's tie-breaker between equally cached, equally loaded replicas)", ["replica"], registry=r)
         self.replica_breaker = Gauge("kvgate_gateway_replica_breaker_open",
                                      "Circuit breaker of a replica: 0 closed, 0.5 half-open (probing), 1 open",
                                      ["replica"], registry=r)

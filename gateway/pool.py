@@ -223,4 +223,5 @@ class EnginePool:
             m.replica_in_flight.labels(r.url).set(r.in_flight)
             m.replica_pending_prefill.labels(r.url).set(r.pending_prefill_tokens)
             m.replica_utilization.labels(r.url).set(r.utilization)
+            m.replica_kv_footprint.labels(r.url).set(r.kv_footprint)
             m.replica_breaker.labels(r.url).set(_BREAKER_GAUGE[r.breaker.state])

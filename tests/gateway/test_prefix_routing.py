@@ -549,17 +549,22 @@ async def test_load_is_counted_until_the_first_frame_and_released_on_close():
     await transport.aclose()
 
 
-async def test_polls_measure_utilization():
+async def test_polls_measure_utilization_and_kv_footprint():
     engines = Engines("a")
     engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 0.0}
     pool, _, transport = await ready_pool(engines)
     (a,) = pool.replicas
     assert a.utilization == 0.0
-    engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 100.0}  # busy since: at most 1
+    pool.export_metrics()
+    assert sample(pool.metrics.replica_kv_footprint) == 0.0
+    # busy since: at most 1; a quarter of the blocks in use, more of them holding cached prefixes
+    engines.stats["a"] = {**STATS, "replica_id": "id-a", "total_busy_seconds": 100.0, "num_total_blocks": 64,
+                          "num_free_blocks": 48, "num_cached_blocks": 24}
     await pool.poll()
     assert a.utilization == pytest.approx(replica_module.UTILIZATION_EWMA_WEIGHT)
     pool.export_metrics()
     assert sample(pool.metrics.replica_utilization) == a.utilization
+    assert sample(pool.metrics.replica_kv_footprint) == a.kv_footprint == 24 / 64
     await transport.aclose()
 
 
