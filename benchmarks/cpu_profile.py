@@ -15,7 +15,7 @@ a decode step at batch 1, 8 and 32 (contexts of --context tokens) and a prefill 
 but the model's forward and LM head: scheduler, block tables, inputs, sampler, frames) and the top
 ops by self CPU time.
 
-    python benchmarks/cpu_profile.py matmul [--rows 1,8,32] [--rounds 15]
+    python benchmarks/cpu_profile.py matmul [--rows 1,8,32] [--rounds 15] [--kernels-from REV]
     python benchmarks/cpu_profile.py threads [--rows 1,8,32] [--rounds 5]
     python benchmarks/cpu_profile.py steps [--batches 1,8,32] [--prefill 512]
 """
@@ -28,8 +28,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +69,21 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().to(torch.int8), scale
 
 
-def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Callable, int]]:
-    """Path name -> (run all matmuls once, bytes of weights it streams)."""
+def kernels_at(revision: str) -> cpu_kernels.CpuKernels:
+    """kvgate's CPU kernels as ``cpu_kernels.c`` was at a git revision, built beside this tree's."""
+    source = Path(tempfile.mkdtemp()) / "cpu_kernels.c"
+    source.write_text(subprocess.run(["git", "show", f"{revision}:engine/models/cpu_kernels.c"], capture_output=True,
+                                     text=True, check=True).stdout)
+    kernels = cpu_kernels.load(source)
+    if kernels is None:
+        raise SystemExit(f"the CPU kernels of {revision} did not build (see the warning)")
+    return kernels
+
+
+def matmul_paths(weights: list[torch.Tensor], rows: int,
+                 kernels_from: str | None = None) -> dict[str, tuple[Callable, int]]:
+    """Path name -> (run all matmuls once, bytes of weights it streams); with ``kernels_from``, also
+    kvgate's int8 GEMV as it was at that revision."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     xs_bf16 = {k: v.bfloat16() for k, v in xs.items()}
     fp32_bytes = sum(w.numel() * 4 for w in weights)
@@ -82,7 +97,7 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
     kernels = cpu_kernels.load()
     if kernels is None:
         raise SystemExit("kvgate's CPU kernels did not build (see the warning): no C compiler?")
-    return {
+    paths = {
         "fp32 F.linear": (lambda: [F.linear(xs[w.shape[1]], w) for w in weights], fp32_bytes),
         "fp32 x @ Wt": (lambda: [xs[w.shape[0]] @ w for w in transposed], fp32_bytes),
         "fp32 mkl packed": (lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, rows) for p, w in mkl],
@@ -107,12 +122,17 @@ def matmul_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[Call
         "int4 widened to bf16 (bf16 x)": (
             lambda: [F.linear(xs_bf16[m.weight.shape[1] * 2], m.widened()) for m in int4], fp32_bytes // 8),
     }
+    if kernels_from:
+        base = kernels_at(kernels_from)
+        paths[f"int8 kvgate int8_gemv at {kernels_from} (fp32 x)"] = (
+            lambda: [base.int8_gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4)
+    return paths
 
 
 def bench_matmul(args) -> None:
     weights = model_weights()
     for rows in args.rows:
-        paths = matmul_paths(weights, rows)
+        paths = matmul_paths(weights, rows, args.kernels_from)
         if args.paths:
             paths = {name: paths[name] for name in args.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}
@@ -252,6 +272,8 @@ def main() -> None:
     steps.add_argument("--dtype", default="auto")
     steps.add_argument("--quantization", default="none")
     matmul.add_argument("--paths", type=lambda s: s.split(";"), default=None, help="only these (';'-separated)")
+    matmul.add_argument("--kernels-from", metavar="REV", default=None,
+                        help="also time kvgate's int8 GEMV built from cpu_kernels.c at this git revision")
     threads = sub.add_parser("threads", help="thread count and OpenMP wait policy, F.linear matmuls")
     threads.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     threads.add_argument("--rounds", type=int, default=5)

@@ -5,7 +5,8 @@
  * int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] for int8 weights w [N, K] and fp32 rows
  * x [M, K], the few-row product of engine.models.cpu.Int8, at the bandwidth of its bytes: each
  * output one fp32 sum over k (8 partial sums over k mod 8, then added pairwise); the threads split
- * the weight rows, four at a time (independent sums that hide the FMA latency at one row of x).
+ * the weight rows, four at a time (independent sums that hide the FMA latency at one row of x), each
+ * tile against two rows of x at once while there are two.
  * rms_norm, silu_and_mul, decode_attention: a decode step's small ops in fp32. int8_decoder_stack: a
  * Llama decoder's whole decode step over them, in one parallel region (engine.models.cpu.Int8DecoderStack).
  */
@@ -37,41 +38,56 @@ static inline __m256 widen(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
 
-/* out[c] = sum_k x[k] * w[c * K + k] for c < 4, K a multiple of 8: the same sums as dot_any's.
- * Four rows read side by side are four short streams (SmolLM2's rows are 576 bytes) that the
- * hardware prefetcher does not follow: the tile PREFETCH_TILES ahead is prefetched as we go. */
-static void dot4(const float *x, const int8_t *w, int64_t K, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* out[r * 4 + c] = sum_k x[r * K + k] * w[c * K + k] for r < R (1 or 2: a constant once inlined), c < 4,
+ * K a multiple of 8: the same sums as dot_any's, each row's whatever R. Two rows widen each weight
+ * vector once for both (the widening, not the bytes, bounds a product of several rows: the 4 x K tile
+ * stays in L1). Four rows read side by side are four short streams (SmolLM2's rows are 576 bytes)
+ * that the hardware prefetcher does not follow: the tile PREFETCH_TILES ahead is prefetched as we go. */
+static inline __attribute__((always_inline)) void dot4_rows(const float *x, const int8_t *w, int64_t K, int R,
+                                                            float *out) {
+    __m256 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     const char *ahead = (const char *)(w + PREFETCH_TILES * 4 * K);
     for (int64_t k = 0; k < K; k += 8) {
         _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
-        __m256 xv = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(xv, widen(w + k), a0);
-        a1 = _mm256_fmadd_ps(xv, widen(w + K + k), a1);
-        a2 = _mm256_fmadd_ps(xv, widen(w + 2 * K + k), a2);
-        a3 = _mm256_fmadd_ps(xv, widen(w + 3 * K + k), a3);
+        __m256 xv[2];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
+        for (int c = 0; c < 4; c++) {
+            __m256 wv = widen(w + c * K + k);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+        }
     }
-    float p[4][8];
-    _mm256_storeu_ps(p[0], a0), _mm256_storeu_ps(p[1], a1), _mm256_storeu_ps(p[2], a2), _mm256_storeu_ps(p[3], a3);
-    for (int c = 0; c < 4; c++) out[c] = finish(p[c]);
+    float p[8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_ps(p, acc[r][c]);
+            out[r * 4 + c] = finish(p);
+        }
 }
 #endif
 
-/* The rows of y = x @ (w * scale[:, None]).T, four weight rows at a time: inside a parallel region the
+/* The rows of y = x @ (w * scale[:, None]).T, four weight rows by two rows of x at a time: inside a parallel region the
  * team shares them (an orphaned `omp for`, with its barrier at the end), outside one thread does all. */
 static void gemv_team(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += 4) {
         int C = N - n < 4 ? (int)(N - n) : 4;
-        float out[4];
-        for (int64_t m = 0; m < M; m++) {
+        float out[8];
+        for (int64_t m = 0; m < M;) {
+            int R = 1;
 #ifdef __AVX2__
-            if (C == 4 && K % 8 == 0)
-                dot4(x + m * K, w + n * K, K, out);
-            else
+            if (C == 4 && K % 8 == 0) {
+                R = M - m >= 2 ? 2 : 1;
+                if (R == 2)
+                    dot4_rows(x + m * K, w + n * K, K, 2, out);
+                else
+                    dot4_rows(x + m * K, w + n * K, K, 1, out);
+            } else
 #endif
                 dot_any(x + m * K, w + n * K, K, C, out);
-            for (int c = 0; c < C; c++) y[m * N + n + c] = out[c] * scale[n + c];
+            for (int r = 0; r < R; r++, m++)
+                for (int c = 0; c < C; c++) y[m * N + n + c] = out[r * 4 + c] * scale[n + c];
         }
     }
 }

@@ -64,16 +64,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"cpu_kernels-{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+            subprocess.run([compiler, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                            check=True)
             os.replace(tmp, library)
         finally:
@@ -152,14 +152,15 @@ class CpuKernels:
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The kernels, built and loaded once; None where they cannot be built."""
+def load(source: Path = SOURCE) -> CpuKernels | None:
+    """The kernels, built and loaded once; None where they cannot be built. ``source``: another version
+    of ``cpu_kernels.c`` (benchmarks compare one against this one in the same process)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         log.warning("cpu_kernels_unavailable", reason=f"no C compiler ({compiler})")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        return CpuKernels(ctypes.CDLL(str(_build(compiler, source))))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
         log.warning("cpu_kernels_unavailable", reason=detail.strip()[-500:])
