@@ -109,9 +109,14 @@ def routed(gateway: Proc) -> dict[str, float]:
     return totals
 
 
-def kv_footprints(gateway: Proc) -> dict[str, float]:
-    """kvgate_gateway_replica_kv_footprint per replica: what the gateway's last polls saw."""
-    prefix = 'kvgate_gateway_replica_kv_footprint{replica="'
+# Below this smoothed utilization the router's expected queue (ρ / (1 − ρ) times its mean uncached prompt,
+# here at most 100 tokens) rounds to no tokens: idle engines then differ only by their KV footprint.
+IDLE_UTILIZATION = 0.004
+
+
+def replica_gauge(gateway: Proc, name: str) -> dict[str, float]:
+    """kvgate_gateway_replica_<name> per replica: what the gateway's last polls saw."""
+    prefix = f'kvgate_gateway_replica_{name}{{replica="'
     return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in httpx.get(gateway.url + "/metrics").text.splitlines() if line.startswith(prefix)}
 
@@ -130,14 +135,14 @@ def ideal_cached(prompt: list[int], earlier: list[list[int]]) -> int:
 
 async def test_sequential_new_conversations_spread_over_idle_engines(cluster: Cluster):
     """On fresh engines, 6 conversations of 3 turns with distinct prompts, one after another through one
-    gateway, each once the gateway has seen the last one's blocks cached: each engine gets two (the policy
-    once put them all on one engine, by list order)."""
+    gateway, each once the gateway has seen the last one's blocks cached and its engine idle again: each engine
+    gets two, by their KV footprints (the policy once put them all on one engine, by list order)."""
     rng = random.Random(9)
     gateway = client(cluster.gateways[0])
     placed: dict[str, int] = {}
     for _ in range(6):
         prompt = [rng.randrange(300, 40000) for _ in range(100)]
-        before = kv_footprints(cluster.gateways[0])
+        before = replica_gauge(cluster.gateways[0], "kv_footprint")
         replicas = set()
         for _turn in range(3):
             raw = await gateway.completions.with_raw_response.create(
@@ -147,10 +152,12 @@ async def test_sequential_new_conversations_spread_over_idle_engines(cluster: Cl
         assert len(replicas) == 1  # its later turns followed its first
         engine = replicas.pop()
         placed[engine] = placed.get(engine, 0) + 1
-        deadline = time.monotonic() + 30
-        while kv_footprints(cluster.gateways[0])[engine] <= before[engine]:  # its polls (every 0.5 s) see the cache
-            assert time.monotonic() < deadline, "the gateway's polls never saw the conversation's cached blocks"
-            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 60
+        # the gateway's polls (every 0.5 s) see the conversation's blocks cached and every engine idle again
+        while (replica_gauge(cluster.gateways[0], "kv_footprint")[engine] <= before[engine]
+               or max(replica_gauge(cluster.gateways[0], "utilization").values()) >= IDLE_UTILIZATION):
+            assert time.monotonic() < deadline, "the gateway never saw the cached blocks and idle engines"
+            await asyncio.sleep(0.1)
     assert sorted(placed.values()) == [2, 2, 2], placed
 
 
