@@ -67,8 +67,9 @@ static inline __attribute__((always_inline)) void dot4_rows(const float *x, cons
 }
 #endif
 
-/* The rows of y = x @ (w * scale[:, None]).T, four weight rows by two rows of x at a time: inside a parallel region the
- * team shares them (an orphaned `omp for`, with its barrier at the end), outside one thread does all. */
+/* The rows of y = x @ (w * scale[:, None]).T, four weight rows by two rows of x at a time: inside a
+ * parallel region the team shares them (an orphaned `omp for`, with its barrier at the end), outside
+ * one thread does all. dot4_rows is called with a literal R, so that each call inlines unrolled. */
 static void gemv_team(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += 4) {

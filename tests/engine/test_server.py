@@ -2,7 +2,6 @@
 engine's step timings in /metrics; with the engine in its own process (the default) and in a thread."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import msgpack
 import pytest
 
 from engine.protocol import GenerateRequest, OutputFrame, SamplingParams
+from gateway.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log_path) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
 
 import pytest
 import redis
+
+from gateway.spawn import free_port
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -35,12 +36,6 @@ def _delete_matching(client: redis.Redis, namespace: str) -> None:
     keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
     if keys:
         client.delete(*keys)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
