@@ -71,19 +71,20 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kernels_at(revision: str) -> cpu_kernels.CpuKernels:
     """kvgate's CPU kernels as ``cpu_kernels.c`` was at a git revision, built beside this tree's."""
-    source = Path(tempfile.mkdtemp()) / "cpu_kernels.c"
-    source.write_text(subprocess.run(["git", "show", f"{revision}:engine/models/cpu_kernels.c"], capture_output=True,
-                                     text=True, check=True).stdout)
-    kernels = cpu_kernels.load(source)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "cpu_kernels.c"
+        source.write_text(subprocess.run(["git", "show", f"{revision}:engine/models/cpu_kernels.c"],
+                                         capture_output=True, text=True, check=True).stdout)
+        kernels = cpu_kernels.load(source)
     if kernels is None:
         raise SystemExit(f"the CPU kernels of {revision} did not build (see the warning)")
     return kernels
 
 
 def matmul_paths(weights: list[torch.Tensor], rows: int,
-                 kernels_from: str | None = None) -> dict[str, tuple[Callable, int]]:
-    """Path name -> (run all matmuls once, bytes of weights it streams); with ``kernels_from``, also
-    kvgate's int8 GEMV as it was at that revision."""
+                 base: tuple[str, cpu_kernels.CpuKernels] | None = None) -> dict[str, tuple[Callable, int]]:
+    """Path name -> (run all matmuls once, bytes of weights it streams); with ``base`` (a revision and
+    its kernels), also kvgate's int8 GEMV as it was there."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     xs_bf16 = {k: v.bfloat16() for k, v in xs.items()}
     fp32_bytes = sum(w.numel() * 4 for w in weights)
@@ -122,17 +123,18 @@ def matmul_paths(weights: list[torch.Tensor], rows: int,
         "int4 widened to bf16 (bf16 x)": (
             lambda: [F.linear(xs_bf16[m.weight.shape[1] * 2], m.widened()) for m in int4], fp32_bytes // 8),
     }
-    if kernels_from:
-        base = kernels_at(kernels_from)
-        paths[f"int8 kvgate int8_gemv at {kernels_from} (fp32 x)"] = (
-            lambda: [base.int8_gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4)
+    if base is not None:
+        revision, base_kernels = base
+        paths[f"int8 kvgate int8_gemv at {revision} (fp32 x)"] = (
+            lambda: [base_kernels.int8_gemv(xs[q.shape[1]], q, s) for q, s in int8], fp32_bytes // 4)
     return paths
 
 
 def bench_matmul(args) -> None:
     weights = model_weights()
+    base = (args.kernels_from, kernels_at(args.kernels_from)) if args.kernels_from else None
     for rows in args.rows:
-        paths = matmul_paths(weights, rows, args.kernels_from)
+        paths = matmul_paths(weights, rows, base)
         if args.paths:
             paths = {name: paths[name] for name in args.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}
