@@ -52,8 +52,8 @@ def read_response(sock: socket.socket) -> tuple[int | None, dict | None]:
 
 
 def test_a_slow_head_gets_408_and_is_closed(limited_gateway):
+    start = time.monotonic()  # before connecting: the server's head clock starts when it accepts
     sock = connect(limited_gateway)
-    start = time.monotonic()
     sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # never finished
     status, body = read_response(sock)
     assert status == 408 and body["error"]["code"] == "request_timeout"
