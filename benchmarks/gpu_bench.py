@@ -1057,16 +1057,14 @@ def emit_served(name: str, b: int, mode: str, engine: str, z: dict, offline: lis
 
 
 async def _served(name: str, settings: dict, device: str, prompts: dict, z: dict, engine: str) -> tuple[dict, dict]:
-    import httpx
-
-    from gateway.engine_client import EngineClient
+    from gateway.engine_client import EngineClient, engine_transport
 
     sidecar = Sidecar(name, device, {**settings, "engine_process": engine == "process"})
     served: dict[int, list[tuple[float, float]]] = {b: [] for b in z["batches"]}
     cpu: dict[int, list[tuple[float, float, float]]] = {b: [] for b in z["batches"]}
     try:
         await sidecar.wait_ready()
-        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        transport = engine_transport(256)  # the gateway's pool
         client = EngineClient(sidecar.url, transport)
         await served_run(client, prompts[1][:1], z["new"], "srv-warm-")
         for r in range(z["repeats"]):

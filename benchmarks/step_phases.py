@@ -397,15 +397,13 @@ def serve_profiled(port: int, model: str, device: str, out_path: str, gc_mode: s
 
 async def drive_served(model: str, device: str, settings: dict, batch: int, runs: int, new: int, out_path: str,
                        gc_mode: str) -> list[dict]:
-    import httpx
-
-    from gateway.engine_client import EngineClient
+    from gateway.engine_client import EngineClient, engine_transport
 
     sidecar = ProfiledSidecar(model, device, settings, out_path, gc_mode)
     results = []
     try:
         await sidecar.wait_ready()
-        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        transport = engine_transport(256)  # the gateway's pool
         client = EngineClient(sidecar.url, transport)
         await served_run(client, random_prompts(1, 128, 500), new, "srv-warm-")
         prompts = random_prompts(batch, 128, 500 + batch)

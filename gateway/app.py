@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import httpx
 import structlog
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
@@ -30,6 +29,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from engine.protocol import EXCLUSIVE_MINIMUM, FLOAT_BOUNDS, INT_BOUNDS
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
+from gateway.engine_client import engine_transport
 from gateway.errors import APIError, handle_api_error, handle_http_exception, handle_server_error
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AuthMiddleware, RequestContextMiddleware, SaltKey
@@ -159,8 +159,7 @@ def _lifespan(config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Starl
         buckets = open_buckets(config.rate_limit_url)
         # One connection pool for all engines; --max-in-flight bounds the connections, and kept-alive
         # ones spare the hot path a TCP handshake.
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=min(config.max_in_flight, 256)))
+        transport = engine_transport(min(config.max_in_flight, 256))
         router = make_router(config, metrics)  # started once the engines' model is known
         health: asyncio.Task | None = None
         response_store: ResponseStore | None = None

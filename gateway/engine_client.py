@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator
 
 import anyio
-import httpx
+import httpx2
 import msgpack
 
 from engine.protocol import MSGPACK, EngineStats, GenerateRequest, OutputFrame
@@ -23,7 +23,7 @@ class EngineUnavailable(Exception):
     @property
     def refused(self) -> bool:
         """The connection was refused: nothing listens on the replica's port."""
-        return isinstance(self.__cause__, httpx.ConnectError)
+        return isinstance(self.__cause__, httpx2.ConnectError)
 
 
 class EngineRejected(Exception):
@@ -42,7 +42,7 @@ class EngineFailed(Exception):
 class EngineStream:
     """One accepted /generate response."""
 
-    def __init__(self, response: httpx.Response, url: str):
+    def __init__(self, response: httpx2.Response, url: str):
         self._response = response
         self._url = url
         self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
@@ -53,7 +53,7 @@ class EngineStream:
                 self._unpacker.feed(chunk)
                 for wire in self._unpacker:
                     yield OutputFrame.from_wire(wire)
-        except httpx.TransportError as exc:
+        except httpx2.TransportError as exc:
             raise EngineFailed(f"lost the connection to engine {self._url}: {exc!r}") from exc
 
     async def aclose(self) -> None:
@@ -62,16 +62,30 @@ class EngineStream:
             await self._response.aclose()
 
 
-class EngineClient:
-    """Talks to one engine over a shared pooled transport (httpx's transport layer: the client layer's
-    cookies, redirects and auth cost about half a millisecond per request and do nothing here)."""
+def engine_transport(max_keepalive: int) -> httpx2.AsyncHTTPTransport:
+    """The pooled transport the gateway shares among its engines: any number of connections,
+    ``max_keepalive`` of them kept alive between requests.
 
-    def __init__(self, url: str, transport: httpx.AsyncBaseTransport, token: str | None = None,
+    httpx2's pool, not httpx's: httpcore 1.0.9 (httpx 0.28) rescans every connection once per idle
+    connection and per queued request on each request, and hands one idle connection to every request
+    queued in a pass, the losers retrying (encode/httpcore#1035, never merged; fixed in httpx2). With 64
+    kept-alive connections, 64 streams opened together reached the server over 1.0-1.6 s instead of
+    13-29 ms (benchmarks/engine_client_pool.py)."""
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=max_keepalive)
+    return httpx2.AsyncHTTPTransport(limits=limits)
+
+
+class EngineClient:
+    """Talks to one engine over a shared pooled transport (:func:`engine_transport`; the transport
+    layer: the client layer's cookies, redirects and auth cost about half a millisecond per request
+    and do nothing here)."""
+
+    def __init__(self, url: str, transport: httpx2.AsyncBaseTransport, token: str | None = None,
                  connect_timeout: float = 5.0):
         self.url = url
         self._transport = transport
-        self._generate_url = httpx.URL(url + "/generate")
-        self._stats_url = httpx.URL(url + "/stats")
+        self._generate_url = httpx2.URL(url + "/generate")
+        self._stats_url = httpx2.URL(url + "/stats")
         self._auth = {"authorization": f"Bearer {token}"} if token is not None else {}
         self._headers = {"content-type": MSGPACK, **self._auth}
         # No read timeout: a queued request may wait long for its first frame.
@@ -79,17 +93,17 @@ class EngineClient:
 
     async def open(self, request: GenerateRequest) -> EngineStream:
         """Send the request and wait for the response head; raises EngineUnavailable or EngineRejected."""
-        req = httpx.Request("POST", self._generate_url, content=request.pack(), headers=self._headers,
+        req = httpx2.Request("POST", self._generate_url, content=request.pack(), headers=self._headers,
                             extensions={"timeout": self._stream_timeout})
         try:
             response = await self._transport.handle_async_request(req)
-        except httpx.TransportError as exc:
+        except httpx2.TransportError as exc:
             raise EngineUnavailable(f"engine {self.url} unreachable: {exc!r}") from exc
         if response.status_code == 200:
             return EngineStream(response, self.url)
         try:
             body = await response.aread()
-        except httpx.TransportError:
+        except httpx2.TransportError:
             body = b""
         finally:
             await response.aclose()
@@ -101,7 +115,7 @@ class EngineClient:
     async def stats(self, timeout: float) -> EngineStats:
         """GET /stats; raises EngineUnavailable unless the engine is ready, ValueError (a ProtocolError
         naming the field) for a body that is not its /stats."""
-        req = httpx.Request("GET", self._stats_url, headers=self._auth, extensions={"timeout": dict.fromkeys(
+        req = httpx2.Request("GET", self._stats_url, headers=self._auth, extensions={"timeout": dict.fromkeys(
             ("connect", "read", "write", "pool"), timeout)})
         try:
             response = await self._transport.handle_async_request(req)
@@ -109,7 +123,7 @@ class EngineClient:
                 body = await response.aread()
             finally:
                 await response.aclose()
-        except httpx.TransportError as exc:
+        except httpx2.TransportError as exc:
             raise EngineUnavailable(f"engine {self.url} unreachable: {exc!r}") from exc
         if response.status_code != 200:
             raise EngineUnavailable(

@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import httpx
+import httpx2
 import structlog
 
 from gateway.engine_client import EngineClient, EngineUnavailable
@@ -58,7 +58,7 @@ class EnginePool:
     """This gateway's replicas: polls their /stats, keeps their readiness and breakers, exports their gauges.
     Event loop only."""
 
-    def __init__(self, urls: Sequence[str], transport: httpx.AsyncBaseTransport,
+    def __init__(self, urls: Sequence[str], transport: httpx2.AsyncBaseTransport,
                  metrics: GatewayMetrics | None = None, stats_timeout: float = 2.0,
                  breaker: Callable[[], CircuitBreaker] = CircuitBreaker, engine_token: str | None = None,
                  dns: tuple[str, int] | None = None, resolver: Resolver = resolve_addresses):
@@ -161,7 +161,7 @@ class EnginePool:
         try:
             stats = await replica.client.stats(self._stats_timeout)
         except EngineUnavailable as exc:
-            if isinstance(exc.__cause__, httpx.TransportError):
+            if isinstance(exc.__cause__, httpx2.TransportError):
                 self.report_failure(replica, str(exc), refused=exc.refused)
                 return
             reason = str(exc)  # it answered: reachable, just not ready (loading, failed)

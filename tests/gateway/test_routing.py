@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import msgpack
 import pytest
 from stats_testing import engine_stats
@@ -66,23 +66,23 @@ def test_make_router_names_policies():
         make_router(GatewayConfig(routing="random"), metrics)
 
 
-def engine_transport(stats_by_host: dict[str, object]) -> httpx.MockTransport:
+def engine_transport(stats_by_host: dict[str, object]) -> httpx2.MockTransport:
     """/stats per host: a dict (200), an int (that status), or an exception to raise."""
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         answer = stats_by_host[request.url.host]
         if isinstance(answer, Exception):
             raise answer
         if isinstance(answer, int):
-            return httpx.Response(answer, json={"error": {"message": "engine is loading", "param": None}})
-        return httpx.Response(200, json=answer)
+            return httpx2.Response(answer, json={"error": {"message": "engine is loading", "param": None}})
+        return httpx2.Response(200, json=answer)
 
-    return httpx.MockTransport(handler)
+    return httpx2.MockTransport(handler)
 
 
 async def test_pool_readiness_model_and_mismatch():
     other_model = {**stats("d"), "max_model_len": 2048}
-    answers = {"a": stats("a"), "b": 503, "c": httpx.ConnectError("refused"), "d": other_model}
+    answers = {"a": stats("a"), "b": 503, "c": httpx2.ConnectError("refused"), "d": other_model}
     async with engine_transport(answers) as transport:
         pool = EnginePool([f"http://{h}:1" for h in "abcd"], transport)
         model = await pool.wait_ready(timeout=5, require_all=False)
@@ -199,10 +199,10 @@ async def test_a_replica_whose_stats_lack_a_field_is_not_ready_and_says_which():
         assert not pool.replicas[0].breaker.failures  # it answered: not a health failure
 
 
-def frames_body(frames: list[OutputFrame], chunk: int) -> httpx.AsyncByteStream:
+def frames_body(frames: list[OutputFrame], chunk: int) -> httpx2.AsyncByteStream:
     data = b"".join(f.pack() for f in frames)
 
-    class Chunks(httpx.AsyncByteStream):
+    class Chunks(httpx2.AsyncByteStream):
         async def __aiter__(self):
             for i in range(0, len(data), chunk):
                 yield data[i:i + chunk]
@@ -215,12 +215,12 @@ async def test_engine_client_streams_frames_split_anywhere():
               OutputFrame("r", 1, [7], None, "length", 3, 1)]
     seen = {}
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         seen["body"] = msgpack.unpackb(request.content, strict_map_key=False)
         seen["type"] = request.headers["content-type"]
-        return httpx.Response(200, stream=frames_body(frames, chunk=3))
+        return httpx2.Response(200, stream=frames_body(frames, chunk=3))
 
-    async with httpx.MockTransport(handler) as transport:
+    async with httpx2.MockTransport(handler) as transport:
         request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=2, n=2), "tenant", [2])
         stream = await EngineClient("http://e:1", transport).open(request)
         got = [f async for f in stream.frames()]
@@ -232,7 +232,7 @@ async def test_engine_client_streams_frames_split_anywhere():
 @pytest.mark.parametrize("status, error", [(400, EngineRejected), (503, EngineUnavailable), (500, EngineUnavailable)])
 async def test_engine_client_maps_error_statuses(status, error):
     body = {"error": {"message": "prompt_ids[0] = 99999 is outside the vocabulary", "param": "prompt_ids"}}
-    async with httpx.MockTransport(lambda r: httpx.Response(status, content=json.dumps(body))) as transport:
+    async with httpx2.MockTransport(lambda r: httpx2.Response(status, content=json.dumps(body))) as transport:
         with pytest.raises(error) as info:
             await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
     if status == 400:
@@ -241,18 +241,18 @@ async def test_engine_client_maps_error_statuses(status, error):
 
 async def test_engine_client_connection_errors():
     def refuse(request):
-        raise httpx.ConnectError("connection refused")
+        raise httpx2.ConnectError("connection refused")
 
-    async with httpx.MockTransport(refuse) as transport:
+    async with httpx2.MockTransport(refuse) as transport:
         with pytest.raises(EngineUnavailable, match="unreachable"):
             await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
 
-    class Broken(httpx.AsyncByteStream):
+    class Broken(httpx2.AsyncByteStream):
         async def __aiter__(self):
             yield OutputFrame("r", 0, [5]).pack()
-            raise httpx.ReadError("connection reset")
+            raise httpx2.ReadError("connection reset")
 
-    async with httpx.MockTransport(lambda r: httpx.Response(200, stream=Broken())) as transport:
+    async with httpx2.MockTransport(lambda r: httpx2.Response(200, stream=Broken())) as transport:
         stream = await EngineClient("http://e:1", transport).open(GenerateRequest("r", [1]))
         got = []
         with pytest.raises(EngineFailed, match="lost the connection"):
