@@ -11,7 +11,7 @@ import random
 import uuid
 from collections.abc import Sequence
 
-import httpx
+import httpx2
 import pytest
 from stats_testing import engine_stats
 from structlog.testing import capture_logs
@@ -412,7 +412,7 @@ class Engines:
         self.stats_held: dict[str, asyncio.Event] = {}  # /stats answers only once the event is set
         self.calls: list[str] = []
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
+    async def handler(self, request: httpx2.Request) -> httpx2.Response:
         host = request.url.host
         if request.url.path == "/stats":
             if host in self.stats_held:
@@ -421,37 +421,37 @@ class Engines:
             if isinstance(answer, Exception):
                 raise answer
             if isinstance(answer, int):
-                return httpx.Response(answer, json={"error": {"message": "engine is loading"}})
-            return httpx.Response(200, json=answer)
+                return httpx2.Response(answer, json={"error": {"message": "engine is loading"}})
+            return httpx2.Response(200, json=answer)
         self.calls.append(host)
         mode = self.generate[host]
         if mode == "refuse":
-            raise httpx.ConnectError("connection refused")
+            raise httpx2.ConnectError("connection refused")
         if mode == "hang_head":
             await asyncio.Event().wait()
         frames = [OutputFrame("r", 0, [5]).pack(), OutputFrame("r", 0, [6], finish_reason="length").pack()]
 
-        class Body(httpx.AsyncByteStream):
+        class Body(httpx2.AsyncByteStream):
             async def __aiter__(self):
                 if mode == "reset_first":
-                    raise httpx.ReadError("connection reset")
+                    raise httpx2.ReadError("connection reset")
                 if mode == "hang_first":
                     await asyncio.Event().wait()
                 yield frames[0]
                 if mode == "reset_later":
-                    raise httpx.ReadError("connection reset")
+                    raise httpx2.ReadError("connection reset")
                 if mode == "hang_later":
                     await asyncio.Event().wait()
                 yield frames[1]
 
-        return httpx.Response(200, stream=Body())
+        return httpx2.Response(200, stream=Body())
 
 
 REQUEST = GenerateRequest("r", list(range(40)), SamplingParams(max_tokens=2))
 
 
-async def ready_pool(engines: Engines, breaker=CircuitBreaker) -> tuple[EnginePool, Dispatcher, httpx.MockTransport]:
-    transport = httpx.MockTransport(engines.handler)
+async def ready_pool(engines: Engines, breaker=CircuitBreaker) -> tuple[EnginePool, Dispatcher, httpx2.MockTransport]:
+    transport = httpx2.MockTransport(engines.handler)
     metrics = GatewayMetrics()
     pool = EnginePool([f"http://{h}:1" for h in engines.stats], transport, metrics, breaker=breaker)
     await pool.wait_ready(timeout=5, require_all=True)
@@ -579,7 +579,7 @@ async def test_polls_open_the_breaker_then_probe_it_closed():
         await pool.poll()
     assert not a.ready and a.breaker.closed and "loading" in a.error
     assert [x["event"] for x in logs] == ["replica_down"]  # once per change, not per poll
-    engines.stats["a"] = httpx.ConnectError("connection refused")
+    engines.stats["a"] = httpx2.ConnectError("connection refused")
     await pool.poll()
     assert a.breaker.state is BreakerState.OPEN
     engines.stats["a"] = {**STATS, "replica_id": "id-a"}
@@ -619,7 +619,7 @@ async def finished(task: asyncio.Future, timeout: float = 5.0) -> asyncio.Future
 
 async def hang_up(pool: EnginePool, engines: Engines, host: str) -> None:
     """``host`` stops answering its health checks until its breaker opens."""
-    engines.stats[host] = httpx.ReadTimeout("timed out")
+    engines.stats[host] = httpx2.ReadTimeout("timed out")
     for _ in range(CircuitBreaker().failure_threshold):
         await pool.poll()
 
