@@ -213,7 +213,8 @@ class Run:
                     self.first.setdefault(frame.request_id, now)
                     self.last[frame.request_id] = now
                     self.tokens[frame.request_id] += frame.token_ids
-        self.seconds = time.perf_counter() - t0
+        self.ended = time.perf_counter()
+        self.seconds = self.ended - t0
         self.output_tokens = sum(map(len, self.tokens.values()))
 
 
@@ -226,14 +227,17 @@ def set_scheduling(core: EngineCore, mode: str) -> None:
 
 
 class StepTrace:
-    """Records every step ``core`` launches, for a per-step roofline Σ max(bytes/bandwidth, flops/peak)."""
+    """Records every step ``core`` launches, for a per-step roofline Σ max(bytes/bandwidth, flops/peak),
+    and when each was launched."""
 
     def __init__(self, core: EngineCore):
         self.steps: list[list[tuple[int, int, bool]]] = []
+        self.launched: list[float] = []
         self.core = core
         self._launch = launch = core.runner.launch
 
         def traced(scheduled, previous=None):
+            self.launched.append(time.perf_counter())
             self.steps.append([(s.num_computed_tokens, n, s.num_computed_tokens + n == s.num_tokens)
                                for s, n in scheduled])
             return launch(scheduled, previous)
@@ -246,6 +250,26 @@ class StepTrace:
             nbytes, flops = shape.step(seqs)
             floor += max(nbytes / bandwidth, flops / peak)
         return floor
+
+    def breakdown(self, shape: Shape, bandwidth: float, peak: float, end: float) -> dict[str, dict]:
+        """Per kind of step (one with prompt tokens, else decode by batch size): steps, seconds (launch to
+        the next launch, the last to ``end``: with overlapped scheduling, the step's share of the run),
+        roofline seconds and their ratio."""
+        kinds: dict[str, list[float]] = {}
+        for i, seqs in enumerate(self.steps):
+            if any(n > 1 for _, n, _ in seqs):
+                kind = "with_prompt_tokens"
+            else:
+                kind = next(f"decode_b{lo}-{hi}" for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256))
+                            if len(seqs) <= hi)
+            nbytes, flops = shape.step(seqs)
+            until = self.launched[i + 1] if i + 1 < len(self.launched) else end
+            row = kinds.setdefault(kind, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += until - self.launched[i]
+            row[2] += max(nbytes / bandwidth, flops / peak)
+        return {kind: dict(steps=n, seconds=round(t, 3), roofline_s=round(r, 3), fraction=round(r / t, 3))
+                for kind, (n, t, r) in sorted(kinds.items())}
 
     def close(self) -> None:
         self.core.runner.launch = self._launch
@@ -523,7 +547,7 @@ def bench_cont_batch_ours(core: EngineCore, shape: Shape, bandwidth: float, peak
     floor = trace.roofline_s(shape, bandwidth, peak)
     emit(bench="cont_batch", model=shape.config.name, scheduling=mode, requests=64, prompt_tokens=512,
          output_tokens_each=256, ours_output_tok_s=round(rate, 1), steps=len(trace.steps),
-         seconds=round(run.seconds, 3),
+         seconds=round(run.seconds, 3), by_step_kind=trace.breakdown(shape, bandwidth, peak, run.ended),
          roofline_s=round(floor, 3), fraction_of_roofline=round(floor / run.seconds, 3),
          goal=">= 0.85 of the per-step roofline", met=floor / run.seconds >= 0.85)
     return rate
@@ -613,6 +637,7 @@ def bench_offline(bandwidth: float, peak: float, budget: Budget, modes: list[str
         ours = run.output_tokens / run.seconds
         emit(bench="offline", model="qwen3-0.6b shape as Llama (no q/k norm)", scheduling=mode, seqs=256,
              steps=len(trace.steps), output_tokens=sum(out_lens), ours_seconds=round(run.seconds, 2),
+             by_step_kind=trace.breakdown(shape, bandwidth, peak, run.ended),
              ours_output_tok_s=round(ours, 1), roofline_s=round(floor, 3),
              fraction_of_roofline=round(floor / run.seconds, 3), goal=">= 0.75 of its roofline",
              met=floor / run.seconds >= 0.75)
