@@ -79,6 +79,7 @@ class RoutedStream:
         self._pending_tokens = 0  # counted in replica.pending_prefill_tokens
         self._closed = False
         self._interrupted: str | None = None  # why the replica went down under this request
+        self._last_failure: str | None = None  # why the last replica tried could not take it
         self._waiting: asyncio.Task | None = None  # the task awaiting an engine call, during the call
         self.replica: Replica | None = None
         self.decision: RouteDecision | None = None
@@ -94,8 +95,10 @@ class RoutedStream:
             if len(self._tried) < MAX_ATTEMPTS:
                 decision = await self._dispatcher.route(self._route, self._tried)
             if decision is None:
-                raise NoReplicaAvailable("every engine replica failed" if self._tried
-                                         else "no engine replica is ready")
+                if not self._tried:
+                    raise NoReplicaAvailable("no engine replica is ready")
+                raise NoReplicaAvailable(f"every engine replica failed ({len(self._tried)} tried; the last: "
+                                         f"{self._last_failure})")
             if self._tried:
                 decision = decision._replace(reason=FAILOVER)
             replica = decision.replica
@@ -103,11 +106,13 @@ class RoutedStream:
             self._count(decision)  # before the await: concurrent routing sees this request's load
             try:
                 self._stream = await self._engine_call(replica.client.open, self._request)
-            except ReplicaDown:
+            except ReplicaDown as exc:  # already out of service
                 self._uncount()
+                self._last_failure = str(exc)
                 continue
             except EngineUnavailable as exc:
                 self._uncount()
+                self._last_failure = str(exc)
                 self._pool.report_failure(replica, str(exc), refused=exc.refused)
                 continue
             except BaseException:
@@ -136,6 +141,7 @@ class RoutedStream:
             except EngineFailed as exc:
                 if self._closed:  # closed by its reader (stop string): not the engine's fault
                     return
+                self._last_failure = str(exc)
                 if not isinstance(exc, ReplicaDown):  # that one is already out
                     self._pool.report_failure(self.replica, str(exc))
                 if got_frame:
@@ -145,6 +151,7 @@ class RoutedStream:
                 if got_frame or self._closed:
                     return
                 error = EngineFailed(f"engine {self.replica.url} ended the stream without a frame")
+                self._last_failure = str(error)
                 self._pool.report_failure(self.replica, str(error))
             await self._close_stream()
             try:

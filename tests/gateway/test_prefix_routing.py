@@ -526,8 +526,10 @@ async def test_no_replica_takes_the_request():
     engines = Engines("ab")
     engines.generate = {"a": "refuse", "b": "refuse"}
     pool, dispatcher, transport = await ready_pool(engines)
-    with pytest.raises(NoReplicaAvailable, match="every engine replica failed"):
+    with pytest.raises(NoReplicaAvailable) as info:
         await dispatcher.open(REQUEST)
+    assert str(info.value).startswith("every engine replica failed (2 tried; the last: engine http://")
+    assert "unreachable: ConnectError('connection refused')" in str(info.value)
     with pytest.raises(NoReplicaAvailable, match="no engine replica is ready"):
         await dispatcher.open(REQUEST)
     await transport.aclose()
