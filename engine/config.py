@@ -398,8 +398,12 @@ class EngineConfig:
         0.0, "GiB of host memory (pinned on CUDA) for a second KV tier: full blocks evicted from the KV pool "
              "are copied there and a later prefix hit loads them back instead of recomputing them; 0 = off",
         metavar="GIB")
-    enforce_eager: bool = _flag(False, "no CUDA graphs: run decode steps eagerly (default: graphs on CUDA)",
+    enforce_eager: bool = _flag(False, "no CUDA graphs: run every step eagerly (default: graphs on CUDA)",
                                 action="store_true")
+    cuda_graph_prefill_tokens: int = _flag(
+        2048, "steps with prompt tokens of up to this many tokens (and up to --max-num-batched-tokens) replay "
+              "CUDA graphs captured in pieces, each layer's attention run eagerly between them; 0 = such steps "
+              "run eagerly, else at least 16", metavar="TOKENS")
     enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
                                         action="store_false")
     max_entries_fraction: float = _flag(
@@ -439,6 +443,9 @@ class EngineConfig:
             raise ValueError(f"prefill_pack_tokens must be positive, got {self.prefill_pack_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.cuda_graph_prefill_tokens and self.cuda_graph_prefill_tokens < 16:
+            raise ValueError(f"cuda_graph_prefill_tokens must be 0 (off) or at least 16, got "
+                             f"{self.cuda_graph_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not (math.isfinite(self.host_kv_cache_gib) and self.host_kv_cache_gib >= 0):

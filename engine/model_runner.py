@@ -15,6 +15,7 @@ from engine.cpu import lazy_zeros
 from engine.cuda_graphs import CarriedTokens, DecodeGraphs, decode_buckets
 from engine.kv_groups import group_tables, kv_layout
 from engine.kv_host import HostKVStore, HostTransfers
+from engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from engine.prompt_logprobs import collect_prompt_logprobs
 from engine.protocol import SamplingParams, TokenLogprob
 from engine.request import Sequence
@@ -160,6 +161,7 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row
+        self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens, in pieces
         self._token_buffers: list[HostTokens] = []
 
     def _new_kv_pages(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,6 +260,16 @@ class ModelRunner:
                 graph_bytes += self.verify_graphs.capture()
         return graph_bytes
 
+    def capture_prefill_graphs(self, max_tokens: int) -> int:
+        """Capture the steps with prompt tokens, up to ``max_tokens``, in pieces broken at each layer's
+        attention (KV cache allocated first); returns the bytes the graphs and their buffers hold."""
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.device, prefill_buckets(max_tokens),
+                                            len(self.layout.group_windows), capture=True)
+        with torch.inference_mode():
+            self.prefill_graphs.capture()
+        return free_before - torch.cuda.mem_get_info(self.device)[0]
+
     # --- one step --------------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         """Run one step and wait for its tokens (:meth:`launch`, then resolve)."""
@@ -269,8 +281,8 @@ class ModelRunner:
         computed (and verify the drafts of those that have one). Waits for the device only where
         the host needs a value (logprobs, prompt logprobs, drafts). A sequence whose token is still
         pending (``num_pending_tokens``: overlapped scheduling) reads it from ``previous``'s tokens on
-        the device. The prefill chunks of sequences that need prompt logprobs get them here (eagerly,
-        never in a graph)."""
+        the device. The prefill chunks of sequences that need prompt logprobs get them here (never in
+        a decode graph)."""
         clock = StepClock(self.device)
         if any(seq.draft_ids for seq, _ in scheduled) and self._verifies_in_graph(scheduled):
             seqs = [seq for seq, _ in scheduled]
@@ -405,10 +417,9 @@ class ModelRunner:
             rows = [(query_start[i + 1] - 1, src) for i, src in carried.rows]
             dst, src = to_device(rows, torch.int64, dev).unbind(1)
             CarriedTokens(carried.tokens, rows).scatter(ids, dst, src)
-        hidden = self.model(
-            ids,
-            to_device(positions, torch.int64, dev),
-            attn,
-            self.kv_caches,
-        )
+        positions = to_device(positions, torch.int64, dev)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(input_ids)):
+            hidden = self.prefill_graphs.run(ids, positions, attn)
+        else:
+            hidden = self.model(ids, positions, attn, self.kv_caches)
         return hidden, sample_rows, sampling_seqs

@@ -18,7 +18,7 @@ _WARMUP_DECODES = 4
 
 
 def warmup(core: EngineCore) -> None:
-    """Capture the decode CUDA graphs, then run through the whole engine a prefill of each
+    """Capture the decode CUDA graphs and the prefill steps' pieces, then run through the whole engine a prefill of each
     power-of-two length up to a full chunk (one short prefill on the CPU, which compiles nothing),
     and decode steps that admit a prefill (mixed batches) at a short and (on CUDA, for split-K) a
     long context with a sampled request (penalties, top-k/p, logprobs) and, when the model has a vocabulary, a
@@ -30,6 +30,9 @@ def warmup(core: EngineCore) -> None:
     if _use_cuda_graphs(core):
         graph_bytes = core.runner.capture_decode_graphs()
         buckets = core.runner.decode_graphs.buckets
+        prefill_tokens = min(core.config.cuda_graph_prefill_tokens, core.config.max_num_batched_tokens)
+        if prefill_tokens >= 16 and core.config.tensor_parallel_size == 1:  # a rank's forward is not piecewise
+            graph_bytes += core.runner.capture_prefill_graphs(prefill_tokens)
     cuda = core.device.type == "cuda"
     # Two warmup sequences run at once; each may take half of the pool.
     limit = max(1, min(core.max_model_len, core.kv.num_blocks * core.kv.block_size // 2) - _WARMUP_DECODES)
@@ -47,6 +50,7 @@ def warmup(core: EngineCore) -> None:
         "warmup_done",
         seconds=round(time.perf_counter() - start, 2),
         cuda_graph_buckets=buckets,
+        cuda_graph_prefill_buckets=len(core.runner.prefill_graphs.buckets) if core.runner.prefill_graphs else 0,
         cuda_graph_memory_mib=round(graph_bytes / 2**20, 1),
     )
 

@@ -97,6 +97,44 @@ def test_greedy_tokens_agree_with_hf_eager():
     assert agreement_with_hf(core) >= 0.95
 
 
+def test_prefill_steps_replay_their_pieces(graphed, monkeypatch):
+    """Steps with prompt tokens replay the piecewise graphs (max_num_batched_tokens: 1024) and agree with HF."""
+    graphs = graphed.runner.prefill_graphs
+    assert graphs is not None and graphs.buckets[-1] == 1024 and len(graphs._pieces) == len(graphs.buckets)
+    assert all(len(pieces) == graphed.model_config.num_layers + 1 for pieces in graphs._pieces.values())
+    sizes = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda ids, *rest: sizes.append(ids.shape[0]) or run(ids, *rest))
+    assert agreement_with_hf(graphed, prompts(7)) >= 0.95
+    assert sizes and max(sizes) > 16
+
+
+@torch.inference_mode()
+def test_a_mixed_step_in_pieces_matches_the_eager_step():
+    """Two decoding sequences and a 300-token prompt in one step: the replayed pieces give the eager
+    forward's hidden states (bf16: the padded bucket's GEMMs may tile differently)."""
+    core = make_core(kv_cache_memory_gb=1.0)
+    rng = random.Random(9)
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate([40, 90]):
+        core.add_request(GenerateRequest(f"d{i}", [rng.randrange(300, 40000) for _ in range(length)], sampling))
+    for _ in range(3):
+        core.step()
+    core.add_request(GenerateRequest("p", [rng.randrange(300, 40000) for _ in range(300)], sampling))
+    scheduled = core.scheduler.schedule().scheduled
+    assert [n for _, n in scheduled] == [1, 1, 300]
+    runner = core.runner
+    pieces = runner._run_eager(scheduled)[0].float()
+    graphs, runner.prefill_graphs = runner.prefill_graphs, None
+    try:
+        eager = runner._run_eager(scheduled)[0].float()
+    finally:
+        runner.prefill_graphs = graphs
+    assert graphs.bucket(302) == 320
+    torch.testing.assert_close(pieces, eager, rtol=2e-2, atol=2e-2)
+    del core
+
+
 def test_no_triton_compilation_after_warmup(graphed, monkeypatch):
     import triton
 
