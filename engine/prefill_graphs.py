@@ -144,18 +144,24 @@ class PrefillGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the static buffers' first ``size`` rows, the attention calls handed to
         :meth:`attention_break`."""
+        attn = self._metadata(size, self._tables, self._lens[:1], self._lens)
+        self.model.use_ops(self._piece_ops)
+        try:
+            return self.model(self._ids[:size], self._positions[:size], attn, self.kv_caches)
+        finally:
+            self.model.use_ops(self._base_ops)
+
+    def _metadata(self, size: int, tables: list[torch.Tensor], seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor) -> AttentionMetadata:
+        """One sequence of ``size`` new tokens at the static slots, each group with its ``tables``."""
         groups = tuple(AttentionMetadata(
-            block_tables=self._tables[group], seq_lens=self._lens[:1], query_start_loc=self._lens,
+            block_tables=tables[group], seq_lens=seq_lens, query_start_loc=query_start_loc,
             slot_mapping=self._slots[group, :size], seq_lens_cpu=[size], query_start_loc_cpu=[0, size],
             max_query_len=size, max_seq_len=size,
         ) for group in range(self.num_groups))
         if self.num_groups > 1:
             groups[0].groups = groups
-        self.model.use_ops(self._piece_ops)
-        try:
-            return self.model(self._ids[:size], self._positions[:size], groups[0], self.kv_caches)
-        finally:
-            self.model.use_ops(self._base_ops)
+        return groups[0]
 
     def attention_break(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         call: _Attention) -> torch.Tensor:
@@ -221,13 +227,6 @@ class PrefillGraphs:
         before a capture."""
         self._slots[:, :size].fill_(-1)
         width = -(-size // self.kv_caches[0][0].shape[1])
-        groups = tuple(AttentionMetadata(
-            block_tables=torch.zeros((1, width), dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=self.device),
-            slot_mapping=self._slots[group, :size], seq_lens_cpu=[size], query_start_loc_cpu=[0, size],
-            max_query_len=size, max_seq_len=size,
-        ) for group in range(self.num_groups))
-        if self.num_groups > 1:
-            groups[0].groups = groups
-        return groups[0]
+        tables = [torch.zeros((1, width), dtype=torch.int32, device=self.device)] * self.num_groups
+        seq_lens = torch.tensor([size], dtype=torch.int32, device=self.device)
+        return self._metadata(size, tables, seq_lens, torch.tensor([0, size], dtype=torch.int32, device=self.device))

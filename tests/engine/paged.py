@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from collections.abc import Hashable
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import DUMMY_CONFIGS, ModelConfig
+from engine.core import EngineCore
 from engine.models.llama import LlamaForCausalLM
+from engine.protocol import GenerateRequest, SamplingParams
+from engine.scheduler import ScheduledSeq
 from kernels import load_ops
 
 
@@ -26,6 +30,20 @@ def peaky_tiny(
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return model, config
+
+
+def mixed_step(core: EngineCore, decode_lengths: list[int], prompt_length: int, tokens: range, seed: int,
+               warm_steps: int) -> list[ScheduledSeq]:
+    """The step ``core`` schedules once prompts of ``decode_lengths`` decode (after ``warm_steps``
+    steps) and a prompt of ``prompt_length`` tokens joins them; token ids drawn from ``tokens``."""
+    rng = random.Random(seed)
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate(decode_lengths):
+        core.add_request(GenerateRequest(f"d{i}", [rng.choice(tokens) for _ in range(length)], sampling))
+    for _ in range(warm_steps):
+        core.step()
+    core.add_request(GenerateRequest("p", [rng.choice(tokens) for _ in range(prompt_length)], sampling))
+    return core.scheduler.schedule().scheduled
 
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from engine.models import build_model
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.warmup import warmup
 from kernels import load_ops
+from tests.engine.paged import mixed_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -114,14 +115,7 @@ def test_a_mixed_step_in_pieces_matches_the_eager_step():
     """Two decoding sequences and a 300-token prompt in one step: the replayed pieces give the eager
     forward's hidden states (bf16: the padded bucket's GEMMs may tile differently)."""
     core = make_core(kv_cache_memory_gb=1.0)
-    rng = random.Random(9)
-    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for i, length in enumerate([40, 90]):
-        core.add_request(GenerateRequest(f"d{i}", [rng.randrange(300, 40000) for _ in range(length)], sampling))
-    for _ in range(3):
-        core.step()
-    core.add_request(GenerateRequest("p", [rng.randrange(300, 40000) for _ in range(300)], sampling))
-    scheduled = core.scheduler.schedule().scheduled
+    scheduled = mixed_step(core, [40, 90], 300, range(300, 40000), seed=9, warm_steps=3)
     assert [n for _, n in scheduled] == [1, 1, 300]
     runner = core.runner
     pieces = runner._run_eager(scheduled)[0].float()

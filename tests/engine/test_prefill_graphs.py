@@ -13,6 +13,7 @@ from engine.models import build_model
 from engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from engine.protocol import GenerateRequest, SamplingParams
 from kernels import load_ops
+from tests.engine.paged import mixed_step
 from tests.engine.test_kv_groups import gemma3_shape
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -58,13 +59,7 @@ def test_a_mixed_step_in_pieces_matches_the_eager_step(model_and_config):
     """Two decoding sequences and a prompt's chunk (27 tokens in bucket 32: five padding rows): the
     pieces give the eager step's hidden states and K/V, and the padding rows store nothing."""
     core = core_of(*model_and_config)
-    rng = random.Random(0)
-    for i, length in enumerate([5, 13]):
-        core.add_request(GenerateRequest(f"d{i}", [rng.randrange(3, 500) for _ in range(length)], GREEDY))
-    for _ in range(4):
-        core.step()
-    core.add_request(GenerateRequest("p", [rng.randrange(3, 500) for _ in range(25)], GREEDY))
-    scheduled = core.scheduler.schedule().scheduled
+    scheduled = mixed_step(core, [5, 13], 25, range(3, 500), seed=0, warm_steps=4)
     assert [n for _, n in scheduled] == [1, 1, 25]
     runner = core.runner
     eager, rows, seqs = runner._run_eager(scheduled)
@@ -77,6 +72,18 @@ def test_a_mixed_step_in_pieces_matches_the_eager_step(model_and_config):
     for layer, before in zip(runner.kv_caches, caches):  # the step's K/V stored again, and nothing else
         for cache, expected in zip(layer, before):
             torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_run_before_each_capture_stores_nothing(model_and_config):
+    """The eager run that compiles a bucket's kernels before its capture: one sequence of the bucket's
+    tokens, every slot -1."""
+    core = core_of(*model_and_config)
+    graphs = padded(core)
+    graphs._step = (graphs._warmup_metadata(40), 40)
+    hidden = graphs._forward(40)
+    assert hidden.shape == (40, model_and_config[1].hidden_size) and bool(torch.isfinite(hidden).all())
+    assert all(not cache.any() for layer in core.runner.kv_caches for cache in layer)
 
 
 @torch.inference_mode()
