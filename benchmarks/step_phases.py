@@ -5,8 +5,9 @@
           around the core's, scheduler's and runner's methods), then the device's timeline of a decode step
           from events: its input copies and scatter, the graph replay, the token copy back, and the idle
           time until the next step's first op (the host was late)
-  eager   host time (unprofiled, then under cProfile) of the steps that run eagerly (no CUDA graph): a lone 128-token
-          prefill, a 512-token prefill joining 64 decoding sequences; then of graphed decode steps at 64 for comparison
+  eager   host time (unprofiled, then under cProfile) of the steps with prompt tokens: a lone 128-token prefill, a
+          512-token prefill joining 64 decoding sequences; then of graphed decode steps at 64 for comparison; on an
+          engine per ``--prefill-graphs`` value (--cuda-graph-prefill-tokens: 0 runs them eagerly, the peer)
   served  the sidecar (the app of ``python -m engine serve``, its engine in its own process) at batch B
           for R runs of B x 128-token prompts x 512 new tokens, each run after a batch-1 run as gpu_bench's
           served section does; the engine process's core is instrumented and writes one record per run:
@@ -20,7 +21,7 @@
 The timers cost a few microseconds per call: read the phases against each other and the untimed tok/s.
 
     python3 benchmarks/step_phases.py b1 [--model smollm2-135m] [--tokens 256] [--device cpu]
-    python3 benchmarks/step_phases.py eager [--model smollm2-135m] [--device cpu]
+    python3 benchmarks/step_phases.py eager [--model smollm2-135m] [--prefill-graphs 0,2048] [--device cpu]
     python3 benchmarks/step_phases.py served [--batch 64] [--runs 3] [--gc on,off,freeze] [--device cpu]
 """
 
@@ -230,7 +231,7 @@ def bench_b1(model: str, tokens: int, device: str) -> None:
 # --- eager steps: where their host time goes ----------------------------------------------------------
 
 
-def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], repeats: int) -> None:
+def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], repeats: int, **labels) -> None:
     """``repeats`` steps timed on the host without a profiler, then cProfile over ``repeats`` more, each
     the first step after ``setup(i)`` (which queues its work); the device is idle at each step's start."""
     import cProfile
@@ -249,7 +250,7 @@ def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], rep
     seconds = [one_step(repeats + i, profiler.runcall) for i in range(repeats)]
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
-    emit(bench="step_phases_eager", scenario=name, steps=repeats,
+    emit(bench="step_phases_eager", scenario=name, steps=repeats, **labels,
          unprofiled_ms_per_step=[round(t * 1e3, 2) for t in unprofiled],
          ms_per_step=[round(t * 1e3, 2) for t in seconds],
          top_own_time=["function,calls per step,own ms per step,cumulative ms per step", *[
@@ -257,33 +258,40 @@ def profile_steps(core: EngineCore, name: str, setup: Callable[[int], None], rep
               round(cum / repeats * 1e3, 3)) for (f, line, fn), (_, calls, own, cum, _) in rows]])
 
 
-def bench_eager(model: str, device: str) -> None:
+def bench_eager(model: str, device: str, prefill_graph_tokens: list[int]) -> None:
     """A lone 128-token prefill on an idle engine, a 512-token prefill joining 64 decoding sequences, and
-    their graphed decode steps (the tiny model on the CPU: prompts and outputs of a quarter of its context)."""
+    their graphed decode steps (the tiny model on the CPU: prompts and outputs of a quarter of its context),
+    on an engine per ``--cuda-graph-prefill-tokens`` value (0: steps with prompt tokens run eagerly, the peer)."""
     max_len = MAX_MODEL_LEN[model]
     join, new = min(512, max_len // 4), min(400, max_len // 4)
-    settings = dict(max_num_seqs=80, max_num_batched_tokens=8192, max_model_len=max_len)
-    core = make_engine(model, device, **settings, **({"gpu_memory_utilization": 0.5} if device == "cuda" else {}))
-    prompts = iter(random_prompts(200, join, 77))
+    for tokens in prefill_graph_tokens:
+        settings = dict(max_num_seqs=80, max_num_batched_tokens=8192, max_model_len=max_len,
+                        cuda_graph_prefill_tokens=tokens)
+        core = make_engine(model, device, **settings, **({"gpu_memory_utilization": 0.4} if device == "cuda" else {}))
+        prompts = iter(random_prompts(200, join, 77))
+        label = {"cuda_graph_prefill_tokens": tokens}
 
-    def lone(i: int) -> None:
+        def lone(i: int) -> None:
+            while core.has_work():
+                core.step()
+            core.add_request(GenerateRequest(f"lone{i}", next(prompts)[:join // 4], greedy(2), salt="eager"))
+
+        profile_steps(core, "prefill_128_alone", lone, 5, **label)
         while core.has_work():
             core.step()
-        core.add_request(GenerateRequest(f"lone{i}", next(prompts)[:join // 4], greedy(2), salt="eager"))
+        for i in range(64):
+            core.add_request(GenerateRequest(f"dec{i}", next(prompts)[:join // 4], greedy(new), salt="eager"))
+        for _ in range(4):
+            core.step()
 
-    profile_steps(core, "prefill_128_alone", lone, 5)
-    while core.has_work():
-        core.step()
-    for i in range(64):
-        core.add_request(GenerateRequest(f"dec{i}", next(prompts)[:join // 4], greedy(new), salt="eager"))
-    for _ in range(4):
-        core.step()
+        def joining(i: int) -> None:
+            core.add_request(GenerateRequest(f"join{i}", next(prompts), greedy(new), salt="eager"))
 
-    def joining(i: int) -> None:
-        core.add_request(GenerateRequest(f"join{i}", next(prompts), greedy(new), salt="eager"))
-
-    profile_steps(core, "prefill_512_with_64_decodes", joining, 5)
-    profile_steps(core, "decode_64_graphed", lambda i: None, 5)
+        profile_steps(core, "prefill_512_with_64_decodes", joining, 5, **label)
+        profile_steps(core, "decode_64_graphed", lambda i: None, 5, **label)
+        del core
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 # --- served: the engine process's core, instrumented ----------------------------------------------------
@@ -447,6 +455,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="served: batch runs per sidecar")
     parser.add_argument("--new", type=int, default=512, help="served: new tokens per request")
     parser.add_argument("--gc", default="on", help=f"served: comma-separated of {','.join(GC_MODES)}")
+    parser.add_argument("--prefill-graphs", default="0,2048",
+                        help="eager: comma-separated --cuda-graph-prefill-tokens values, an engine each "
+                             "(default: 0,2048)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "."), help="served: where the engine writes")
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -461,7 +472,7 @@ def main() -> None:
     elif args.what == "b1":
         bench_b1(args.model, args.tokens, args.device)
     elif args.what == "eager":
-        bench_eager(args.model, args.device)
+        bench_eager(args.model, args.device, [int(t) for t in args.prefill_graphs.split(",")])
     else:
         gc_modes = args.gc.split(",")
         if set(gc_modes) - set(GC_MODES):
