@@ -51,7 +51,7 @@ def make_core(**settings) -> EngineCore:
 @pytest.fixture(scope="module")
 def graphed():
     torch.cuda.empty_cache()
-    core = make_core(gpu_memory_utilization=UTILIZATION)
+    core = make_core(gpu_memory_utilization=UTILIZATION, cuda_graph_prefill_tokens=1024)
     yield core
     del core
     torch.cuda.empty_cache()
@@ -114,7 +114,7 @@ def test_prefill_steps_replay_their_pieces(graphed, monkeypatch):
 def test_a_mixed_step_in_pieces_matches_the_eager_step():
     """Two decoding sequences and a 300-token prompt in one step: the replayed pieces give the eager
     forward's hidden states (bf16: the padded bucket's GEMMs may tile differently)."""
-    core = make_core(kv_cache_memory_gb=1.0)
+    core = make_core(kv_cache_memory_gb=1.0, cuda_graph_prefill_tokens=1024)
     scheduled = mixed_step(core, [40, 90], 300, range(300, 40000), seed=9, warm_steps=3)
     assert [n for _, n in scheduled] == [1, 1, 300]
     runner = core.runner
@@ -155,7 +155,8 @@ GEMMA3_TINY = ModelConfig(
 
 def test_sliding_window_model_matches_the_reference_ops_with_cuda_graphs():
     """fp32 Gemma 3 shape on CUDA — the Triton prefill, split-K and fused decode kernels with
-    windows, inside CUDA graphs — picks the torch reference ops' greedy tokens on the CPU."""
+    windows, inside CUDA graphs (prefill steps in pieces, two layer groups) — picks the torch
+    reference ops' greedy tokens on the CPU."""
     torch.manual_seed(0)
     reference_model = build_model(GEMMA3_TINY, load_ops("torch"))
     with torch.no_grad():
@@ -169,9 +170,10 @@ def test_sliding_window_model_matches_the_reference_ops_with_cuda_graphs():
     ps = [[rng.randrange(3, 2048) for _ in range(n)] for n in (5, 47, 48, 49, 130, 300, 20, 700)]
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = generate(EngineCore.from_model(EngineConfig(**settings), reference_model, GEMMA3_TINY), ps, sampling)
-    core = EngineCore.from_model(EngineConfig(device="cuda", **settings), cuda_model, GEMMA3_TINY)
+    core = EngineCore.from_model(EngineConfig(device="cuda", cuda_graph_prefill_tokens=64, **settings), cuda_model,
+                                 GEMMA3_TINY)
     warmup(core)
-    assert core.runner.decode_graphs is not None
+    assert core.runner.decode_graphs is not None and core.runner.prefill_graphs.num_groups == 2
     ours = generate(core, ps, sampling)
     assert sum(a == b for a, b in zip(ours, expected)) >= len(ps) - 1, (ours, expected)
 
