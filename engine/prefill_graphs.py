@@ -1,14 +1,15 @@
 """Piecewise CUDA graphs of the steps with prompt tokens (prefill chunks, alone or beside decodes).
 
-Such a step ran eagerly: ~300 launches, 21-41 ms of host time on the H100's host for a SmolLM2 step
+Eagerly, such a step is ~300 launches: 21-41 ms of host time on the H100's host for a SmolLM2 step
 whose device work takes a few milliseconds, during which every decoding stream waits
-(benchmarks/results/served_eager_h100.jsonl). Everything a step computes but attention depends on
-nothing but its token count, so per bucket of token counts the forward is captured in pieces broken
-at each layer's paged attention: piece 0 runs from the input ids to the first layer's attention
-inputs, piece ``i`` from layer ``i - 1``'s attention output to layer ``i``'s inputs, the last to the
-final norm. Replayed, the pieces alternate with each layer's attention, run eagerly on the step's own
-metadata (its grid follows the sequences' lengths, which only the host knows): for SmolLM2, 31
-replays and 30 attention calls instead of ~300 launches.
+(benchmarks/results/served_eager_h100.jsonl). But everything a step computes other than attention
+depends on nothing but its token count, so per bucket of token counts the forward is captured in
+pieces broken at each layer's paged attention: piece 0 runs from the input ids to the first layer's
+attention inputs, piece ``i`` from layer ``i - 1``'s attention output to layer ``i``'s inputs, the
+last to the final norm. Replayed, the pieces alternate with each layer's attention, run eagerly on
+the step's own metadata (its grid follows the sequences' lengths, which only the host knows): for
+SmolLM2, 31 replays and 30 attention calls instead of ~300 launches. Opt-in
+(``--cuda-graph-prefill-tokens``): the capture has not run on a GPU yet, only the padded path on the CPU.
 
 Static buffers, sized for the largest bucket and shared by every bucket and layer: input ids,
 positions and each layer group's slots (rows past the step's tokens get slot -1: nothing stored),
