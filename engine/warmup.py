@@ -18,12 +18,12 @@ _WARMUP_DECODES = 4
 
 
 def warmup(core: EngineCore) -> None:
-    """Capture the decode CUDA graphs and the prefill steps' pieces, then run through the whole engine a prefill of each
-    power-of-two length up to a full chunk (one short prefill on the CPU, which compiles nothing),
-    and decode steps that admit a prefill (mixed batches) at a short and (on CUDA, for split-K) a
-    long context with a sampled request (penalties, top-k/p, logprobs) and, when the model has a vocabulary, a
-    constrained one, so that every kernel variant is compiled and loaded. Leaves the core idle with
-    fresh counters."""
+    """Capture the decode CUDA graphs (and with --cuda-graph-prefill-tokens the prefill steps' pieces),
+    then run through the whole engine a prefill of each power-of-two length up to a full chunk (one
+    short prefill on the CPU, which compiles nothing), and decode steps that admit a prefill (mixed
+    batches) at a short and (on CUDA, for split-K) a long context with a sampled request (penalties,
+    top-k/p, logprobs) and, when the model has a vocabulary, a constrained one, so that every kernel
+    variant is compiled and loaded. Leaves the core idle with fresh counters."""
     start = time.perf_counter()
     graph_bytes = 0
     buckets: list[int] = []

@@ -69,8 +69,8 @@ def engine_transport(max_keepalive: int) -> httpx2.AsyncHTTPTransport:
     httpx2's pool, not httpx's: httpcore 1.0.9 (httpx 0.28) rescans every connection once per idle
     connection and per queued request on each request, and hands one idle connection to every request
     queued in a pass, the losers retrying (encode/httpcore#1035, never merged; fixed in httpx2). With 64
-    kept-alive connections, 64 streams opened together reached the server over 1.0-1.6 s instead of
-    13-29 ms (benchmarks/engine_client_pool.py)."""
+    kept-alive connections, 64 streams opened together had every response head after 0.5-1.4 s instead
+    of 57-91 ms (benchmarks/results/engine_client_pool_cpu.jsonl)."""
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=max_keepalive)
     return httpx2.AsyncHTTPTransport(limits=limits)
 
@@ -94,7 +94,7 @@ class EngineClient:
     async def open(self, request: GenerateRequest) -> EngineStream:
         """Send the request and wait for the response head; raises EngineUnavailable or EngineRejected."""
         req = httpx2.Request("POST", self._generate_url, content=request.pack(), headers=self._headers,
-                            extensions={"timeout": self._stream_timeout})
+                             extensions={"timeout": self._stream_timeout})
         try:
             response = await self._transport.handle_async_request(req)
         except httpx2.TransportError as exc:
