@@ -260,8 +260,8 @@ class StepTrace:
             if any(n > 1 for _, n, _ in seqs):
                 kind = "with_prompt_tokens"
             else:
-                kind = next(f"decode_b{lo}-{hi}" for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256))
-                            if len(seqs) <= hi)
+                kind = next((f"decode_b{lo}-{hi}" for lo, hi in ((1, 16), (17, 64), (65, 128)) if len(seqs) <= hi),
+                            "decode_b129+")
             nbytes, flops = shape.step(seqs)
             until = self.launched[i + 1] if i + 1 < len(self.launched) else end
             row = kinds.setdefault(kind, [0, 0.0, 0.0])
