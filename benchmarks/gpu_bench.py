@@ -618,10 +618,11 @@ def nano_vllm_workload() -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(100, 1024) for _ in range(256)]
 
 
-def bench_offline(bandwidth: float, peak: float, budget: Budget, modes: list[str]) -> None:
+def bench_offline(bandwidth: float, peak: float, budget: Budget, modes: list[str], prefill_graph_tokens: int) -> None:
     prompts, out_lens = nano_vllm_workload()
     core = make_engine(
         "qwen3-0.6b", max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096, gpu_memory_utilization=0.9,
+        cuda_graph_prefill_tokens=prefill_graph_tokens,
     )
     shape = Shape(core.model_config)
     samplings = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in out_lens]
@@ -1115,6 +1116,9 @@ def main() -> None:
     parser.add_argument("--scheduling", default=",".join(SCHEDULING),
                         help=f"comma-separated scheduling modes of the engine sections, of {','.join(SCHEDULING)} "
                              "(the peers' comparisons use the last)")
+    parser.add_argument("--cuda-graph-prefill-tokens", type=int, default=0, metavar="TOKENS",
+                        help="the engine sections' --cuda-graph-prefill-tokens (default: 0, the engine's: steps with "
+                             "prompt tokens run eagerly)")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the peers (torch.compile, HF): only our engine's scheduling modes, side by side")
     parser.add_argument("--fp8-dry-run", action="store_true",
@@ -1148,7 +1152,8 @@ def main() -> None:
     configure_logging("INFO")  # the engine's JSON logs go to stderr; stdout holds the measurements
     budget = Budget(args.budget_s, peers=not args.no_peers)
     bandwidth, peak = measure_device()
-    engine = dict(max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+    engine = dict(max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+                  cuda_graph_prefill_tokens=args.cuda_graph_prefill_tokens)
     models = set(args.models.split(","))
     modes = args.scheduling.split(",")
     if set(modes) - set(SCHEDULING):
@@ -1169,7 +1174,7 @@ def main() -> None:
     if "hybrid" in sections and budget.allows("hybrid", "ours", 60):
         guarded("hybrid", lambda: bench_hybrid(budget))
     if "offline" in sections and budget.allows("offline", "ours", 50):
-        guarded("offline", lambda: bench_offline(bandwidth, peak, budget, modes))
+        guarded("offline", lambda: bench_offline(bandwidth, peak, budget, modes, args.cuda_graph_prefill_tokens))
     for name, max_len in (("llama3-8b", 8192), (small, 2048)):
         if "served" in sections and name in models and budget.allows("served", "ours", 40):
             guarded("served", lambda: bench_served(name, {**engine, "max_model_len": max_len}, engines=served_engines))
