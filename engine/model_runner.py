@@ -263,6 +263,8 @@ class ModelRunner:
     def capture_prefill_graphs(self, max_tokens: int) -> int:
         """Capture the steps with prompt tokens, up to ``max_tokens``, in pieces broken at each layer's
         attention (KV cache allocated first); returns the bytes the graphs and their buffers hold."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.device, prefill_buckets(max_tokens),
                                             len(self.layout.group_windows), capture=True)

@@ -195,12 +195,9 @@ class PrefillGraphs:
         self._out[:n].copy_(out.view(n, -1))
 
     # --- capture -------------------------------------------------------------------------------
-    def capture(self) -> int:
+    def capture(self) -> None:
         """Capture every bucket's pieces, largest first, into one pool (each bucket first run once
-        eagerly: compiles and autotunes outside the capture); returns the device bytes taken."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        eagerly: compiles and autotunes outside the capture)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -221,7 +218,6 @@ class PrefillGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        return free_before - torch.cuda.mem_get_info(self.device)[0]
 
     def _warmup_metadata(self, size: int) -> AttentionMetadata:
         """One sequence of ``size`` new tokens that stores nothing (every slot -1), for the eager run

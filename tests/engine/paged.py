@@ -46,6 +46,20 @@ def mixed_step(core: EngineCore, decode_lengths: list[int], prompt_length: int, 
     return core.scheduler.schedule().scheduled
 
 
+def generate(
+    core: EngineCore, prompts: list[list[int]], sampling: SamplingParams, prefix: str = "p"
+) -> list[list[int]]:
+    """Each prompt's tokens, ``core`` stepped until idle; every block is free again at the end."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(GenerateRequest(f"{prefix}{i}", prompt, sampling))
+    out: dict[str, list[int]] = {}
+    while core.has_work():
+        for frame in core.step():
+            out.setdefault(frame.request_id, []).extend(frame.token_ids)
+    assert core.check_integrity().used == 0
+    return [out[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` with its own weights, sharing its op set (a module: not copyable)."""
     return copy.deepcopy(model, memo={id(model.ops): model.ops})

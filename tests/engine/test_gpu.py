@@ -13,29 +13,16 @@ from benchmarks.hf_twin import hf_twin
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.core import EngineCore
 from engine.models import build_model
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import SamplingParams
 from engine.warmup import warmup
 from kernels import load_ops
-from tests.engine.paged import mixed_step
+from tests.engine.paged import generate, mixed_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 MODEL = "smollm2-135m"
 NUM_PROMPTS, NEW_TOKENS = 20, 64
 UTILIZATION = 0.3
-
-
-def generate(
-    core: EngineCore, prompts: list[list[int]], sampling: SamplingParams, prefix: str = "p"
-) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        core.add_request(GenerateRequest(f"{prefix}{i}", prompt, sampling))
-    out: dict[str, list[int]] = {}
-    while core.has_work():
-        for frame in core.step():
-            out.setdefault(frame.request_id, []).extend(frame.token_ids)
-    assert core.check_integrity().used == 0
-    return [out[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
 def make_core(**settings) -> EngineCore:

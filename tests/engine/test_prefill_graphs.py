@@ -11,9 +11,9 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.models import build_model
 from engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import SamplingParams
 from kernels import load_ops
-from tests.engine.paged import mixed_step
+from tests.engine.paged import generate, mixed_step
 from tests.engine.test_kv_groups import gemma3_shape
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -92,20 +92,13 @@ def test_engine_tokens_with_prefill_pieces(model_and_config):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 30, 57, 9, 41)]
 
-    def generate(pieces: bool) -> list[list[int]]:
+    def tokens(pieces: bool) -> list[list[int]]:
         core = core_of(*model_and_config)
         if pieces:
             core.runner.prefill_graphs = padded(core)
-        for i, prompt in enumerate(prompts):
-            core.add_request(GenerateRequest(f"r{i}", prompt, GREEDY))
-        out: dict[str, list[int]] = {}
-        while core.has_work():
-            for frame in core.step():
-                out.setdefault(frame.request_id, []).extend(frame.token_ids)
-        assert core.check_integrity().used == 0
-        return [out[f"r{i}"] for i in range(len(prompts))]
+        return generate(core, prompts, GREEDY)
 
-    assert generate(pieces=True) == generate(pieces=False)
+    assert tokens(pieces=True) == tokens(pieces=False)
 
 
 def test_cuda_graph_prefill_tokens_setting():
