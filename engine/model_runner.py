@@ -157,7 +157,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (groups share tensors)
         self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's group_size tensors
         self.host_kv: HostKVStore | None = None  # the host tier's pages (--host-kv-cache-gib)
-        self.sampler = Sampler(config.eos_token_ids)
+        self.sampler = Sampler(config.eos_token_ids, model.ops)
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # decode steps with drafts: 1 + K queries per row

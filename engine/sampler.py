@@ -5,9 +5,12 @@ masking, then the repetition, frequency and presence penalties; then a greedy ar
 0), or temperature, top-k, top-p, min-p and a draw. Logprobs are those of the logits after the
 grammar mask and before the rest (vLLM's default ``raw_logprobs``).
 
-Each feature is vectorized over the rows that use it and skipped when none does, so a plain batch
-pays for an argmax, or a softmax and one draw, and little else. Per-token adjustments (bias,
-masking, penalties) touch only the tokens concerned, never a dense ``[num_seqs, vocab]`` mask.
+Each feature is vectorized over the rows that use it and skipped when none does. Greedy rows and
+unseeded rows with a temperature alone (no top-k, top-p or min-p) take their token from one kernel
+that reads the logits once (``KernelOps.sample_argmax``: the argmax, with Gumbel noise drawn inside
+it for the random rows); the rest pay for a softmax, the filters and a draw of ``vocab`` uniforms
+(from the row's own generator when seeded). Per-token adjustments (bias, masking, penalties) touch
+only the tokens concerned, never a dense ``[num_seqs, vocab]`` mask.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from engine.protocol import SamplingParams, TokenLogprob
 from engine.structured import TokenMasks
 from engine.transfer import to_device
+from kernels import KernelOps, reference
 
 if TYPE_CHECKING:
     import xgrammar
@@ -48,13 +52,16 @@ class Sampler:
     ``logits`` is ``[num_seqs, vocab]`` fp32, row ``i`` belonging to ``seqs[i]``; the sampler uses
     it as scratch space, so its contents are undefined after a call. A row with a ``generator``
     draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
-    whatever else is in the batch and wherever its row is. Stateless apart from the EOS ids and
-    the grammar masks' buffer: one instance may serve any number of steps, one at a time.
+    whatever else is in the batch and wherever its row is; an unseeded one draws from torch's
+    default generator (the key of the kernel's noise, when it draws there). Stateless apart from
+    the EOS ids and the grammar masks' buffer: one instance may serve any number of steps, one at a
+    time. ``ops``: the op set whose ``argmax``/``sample_argmax`` run the direct rows.
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...]):
+    def __init__(self, eos_token_ids: tuple[int, ...], ops: KernelOps = reference):
         self.eos_token_ids = tuple(eos_token_ids)
         self.masks = TokenMasks()
+        self.ops = ops
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> SamplerOutput:
         tokens, logprobs = self.sample(logits, seqs)
@@ -70,12 +77,18 @@ class Sampler:
         logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
         # Taken before the processors below write into logits.
         raw_logprobs = _rows(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
-        greedy_rows, random_rows, weights = self._process(logits, seqs)
+        self._adjust(logits, seqs)
+        direct: list[int] = []  # greedy, or at a temperature alone and unseeded
+        drawn: list[int] = []
+        for i, s in enumerate(seqs):
+            seeded_or_filtered = s.generator is not None or _filters(s.sampling)
+            (drawn if not s.sampling.greedy and seeded_or_filtered else direct).append(i)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if greedy_rows:
-            _put(tokens, greedy_rows, _rows(logits, greedy_rows).argmax(-1))
-        if random_rows:
-            _put(tokens, random_rows, _draw(weights, [seqs[i].generator for i in random_rows]))
+        if direct:
+            _put(tokens, direct, self._direct(_rows(logits, direct), [seqs[i].sampling for i in direct]))
+        if drawn:
+            weights = _filtered_probs(_rows(logits, drawn), [seqs[i].sampling for i in drawn])
+            _put(tokens, drawn, _draw(weights, [seqs[i].generator for i in drawn]))
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             ks = [seqs[i].sampling.logprobs for i in logprob_rows]
@@ -115,14 +128,26 @@ class Sampler:
             _put(out, random_rows, weights / weights.sum(-1, keepdim=True))
         return out
 
+    def _direct(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The tokens of rows that are greedy or sample at their temperature alone, in one kernel."""
+        if all(p.greedy for p in params):
+            return self.ops.argmax(logits)
+        inv_temperature = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32,
+                                    logits.device)
+        return self.ops.sample_argmax(logits, inv_temperature, int(torch.randint(2**63 - 1, ())))
+
+    def _adjust(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
+        """Logit bias, min-tokens masking and penalties, in place."""
+        self._apply_logit_bias(logits, seqs)
+        self._apply_min_tokens(logits, seqs)
+        _apply_penalties(logits, seqs)
+
     def _process(
         self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Everything before the draw. Returns the greedy rows (their final logits left in
         ``logits``), the random rows, and the random rows' unnormalized sampling probabilities."""
-        self._apply_logit_bias(logits, seqs)
-        self._apply_min_tokens(logits, seqs)
-        _apply_penalties(logits, seqs)
+        self._adjust(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy]
         random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         weights = None
@@ -227,6 +252,11 @@ def _apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
         frequency = _values([seqs[i].sampling.frequency_penalty for i in rows], logits)[which]
         logits[index] = logits[index] - presence  # once per token: copies write the same value
         logits.index_put_(index, -frequency, accumulate=True)  # once per occurrence
+
+
+def _filters(params: SamplingParams) -> bool:
+    """Whether a random row has a top-k, top-p or min-p (``_filtered_probs``' work beyond a softmax)."""
+    return 0 < params.top_k or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -22,7 +22,8 @@ def warmup(core: EngineCore) -> None:
     then run through the whole engine a prefill of each power-of-two length up to a full chunk (one
     short prefill on the CPU, which compiles nothing), and decode steps that admit a prefill (mixed
     batches) at a short and (on CUDA, for split-K) a long context with a sampled request (penalties,
-    top-k/p, logprobs) and, when the model has a vocabulary, a constrained one, so that every kernel
+    top-k/p, logprobs), at the short one a request sampled at a temperature alone (the sampling
+    kernel's noise) and, when the model has a vocabulary, a constrained one, so that every kernel
     variant is compiled and loaded. Leaves the core idle with fresh counters."""
     start = time.perf_counter()
     graph_bytes = 0
@@ -40,7 +41,7 @@ def warmup(core: EngineCore) -> None:
     prompts = itertools.count()
     for length in [2**k for k in range(4, chunk.bit_length()) if cuda and 2**k < chunk] + [chunk]:
         _warmup_run(core, prompts, [length])
-    _warmup_run(core, prompts, [min(8, limit), min(8, limit)])  # one block: a single split
+    _warmup_run(core, prompts, [min(8, limit)] * 3)  # one block: a single split
     if cuda:  # split-K decode (the CPU's attention has no split variant to compile)
         _warmup_run(core, prompts, [min(300, limit), min(200, limit)])
     if core.grammars is not None:  # the mask's thread pool and its kernel, off the first constrained request
@@ -68,21 +69,23 @@ def _use_cuda_graphs(core: EngineCore) -> bool:
 def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int],
                 structured: StructuredOutput | None = None) -> None:
     """Run warmup requests of the given prompt lengths to completion; each request after the
-    first is added once the one before it decodes, so its prefill shares a decode step. With
-    ``structured``, the requests after the first are constrained by it."""
+    first is added once the one before it decodes, so its prefill shares a decode step. The first
+    is greedy, the second sampled with every processor (constrained by ``structured``, if given),
+    a third at a temperature alone."""
     vocab = core.model_config.vocab_size
     for i, length in enumerate(lengths):
         first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
-        sampled = i > 0
+        sampling = SamplingParams(max_tokens=_WARMUP_DECODES, temperature=0.0 if i == 0 else 0.7, ignore_eos=True)
+        if i == 1:
+            sampling = SamplingParams(
+                max_tokens=_WARMUP_DECODES, temperature=0.8, top_p=0.9, top_k=40, min_p=0.01, presence_penalty=0.1,
+                frequency_penalty=0.1, repetition_penalty=1.1, seed=0, logprobs=2, ignore_eos=True,
+                structured=structured,
+            )
         request = GenerateRequest(
             request_id=f"kvgate-warmup-{first}",
             prompt_ids=[(first + j) % vocab for j in range(length)],
-            sampling=SamplingParams(
-                max_tokens=_WARMUP_DECODES, temperature=0.8 if sampled else 0.0, top_p=0.9, top_k=40,
-                min_p=0.01, presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
-                seed=0 if sampled else None, logprobs=2 if sampled else None, ignore_eos=True,
-                structured=structured if sampled else None,
-            ),
+            sampling=sampling,
             salt=WARMUP_SALT,
         )
         core.add_request(request)

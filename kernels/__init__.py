@@ -174,6 +174,14 @@ class KernelOps(Protocol):
         """Each row's index of its largest value (the first, on ties), as ``torch.argmax(-1)``:
         ``[rows, vocab] -> [rows]`` int64."""
 
+    def sample_argmax(
+        self, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int  # [rows] fp32; seed in [0, 2**63)
+    ) -> torch.Tensor:
+        """Each row's token, ``[rows]`` int64: where ``inv_temperature`` is positive, a draw from
+        ``softmax(logits * inv_temperature)`` (Gumbel-max: the argmax of ``logits * inv_temperature``
+        plus Gumbel noise, a function of ``seed``, the row and the column); where it is 0, ``argmax``'s.
+        Each implementation has its own noise stream: the same seed gives the same tokens on one."""
+
 
 def load_ops(backend: str) -> KernelOps:
     """The op set of ``backend`` (one of ``BACKENDS``)."""

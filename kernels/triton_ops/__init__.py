@@ -16,7 +16,7 @@ from kernels.triton_ops.fused_decode import decode_attention
 from kernels.triton_ops.gemv import linear, norm_linear
 from kernels.triton_ops.kv_store import store_kv
 from kernels.triton_ops.norm_rope import rms_norm, rotary_embedding, silu_and_mul
-from kernels.triton_ops.row_argmax import argmax
+from kernels.triton_ops.row_argmax import argmax, sample_argmax
 
 __all__ = [
     "store_kv",
@@ -29,4 +29,5 @@ __all__ = [
     "linear",
     "norm_linear",
     "argmax",
+    "sample_argmax",
 ]

@@ -1,4 +1,5 @@
-"""argmax: each row's first largest value in one launch, its chunks merged by the last to finish."""
+"""argmax and sample_argmax: each row's first largest value (with Gumbel noise, a draw) in one
+launch, its chunks merged by the last to finish."""
 
 from __future__ import annotations
 
@@ -9,23 +10,30 @@ import triton.language as tl
 from kernels.triton_ops._checks import _FLOAT_DTYPES, _check, _check_devices, _check_last_dim_contiguous, _check_tensor
 from kernels.triton_ops._launch import _arrival_counters
 
-_ARGMAX_BLOCK = 4096  # values per program
+_ARGMAX_BLOCK = 4096  # values per program (at most)
 _ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
 
 
-@triton.jit(do_not_specialize=["width"])
+@triton.jit(do_not_specialize=["width", "seed"])
 def _argmax_kernel(
-    x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride,
+    x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride, inv_temp_ptr, seed,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
 ):
     """Program (row, chunk): the chunk's largest value and its first index, written as a
     partial; the row's last program to arrive merges the partials (the largest value, then the
-    smallest index) and resets the row's counter to 0 for the next launch."""
+    smallest index) and resets the row's counter to 0 for the next launch. With ``inv_temp_ptr``,
+    a row whose inverse temperature is positive compares ``x * inv_temp + gumbel`` instead, the
+    noise Philox's at (``seed``, row * width + column)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=cols < width, other=float("-inf"))
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    if inv_temp_ptr is not None:
+        inv_temp = tl.load(inv_temp_ptr + row)
+        if inv_temp > 0:
+            u = tl.rand(seed, row.to(tl.int64) * width + cols)
+            x = x * inv_temp - tl.log(-tl.log(u))  # u = 0: -inf, never drawn
     best = tl.max(x, 0)
     best_idx = tl.min(tl.where(x == best, cols, width), 0)
     if num_chunks == 1:
@@ -49,22 +57,44 @@ def _argmax_kernel(
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """One launch: chunks of a row reduce in parallel and the last to finish merges them. No host
     sync: it may be captured in a CUDA graph once it has run eagerly on the device."""
+    _check_logits(logits)
+    return _launch(logits, None, 0)
+
+
+def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """As ``argmax``, each row's noise drawn in the kernel (Philox, keyed by ``seed``): one read of
+    the logits, nothing written but the tokens."""
+    _check_logits(logits)
+    _check_tensor("inv_temperature", inv_temperature, 1, (torch.float32,))
+    _check_devices(logits=logits, inv_temperature=inv_temperature)
+    _check(inv_temperature.shape[0] == logits.shape[0],
+           lambda: f"inv_temperature has {inv_temperature.shape[0]} rows, logits {logits.shape[0]}")
+    _check(0 <= seed < 2**63, lambda: f"seed must be in [0, 2**63), got {seed}")
+    return _launch(logits, inv_temperature.contiguous(), seed)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
     _check_tensor("logits", logits, 2, _FLOAT_DTYPES)
     _check_last_dim_contiguous("logits", logits)
     _check_devices(logits=logits)
-    rows, width = logits.shape
-    _check(width > 0, "logits must have at least one column")
-    num_chunks = triton.cdiv(width, _ARGMAX_BLOCK)
-    _check(num_chunks <= _ARGMAX_MAX_CHUNKS,
+    _check(logits.shape[1] > 0, "logits must have at least one column")
+    _check(triton.cdiv(logits.shape[1], _ARGMAX_BLOCK) <= _ARGMAX_MAX_CHUNKS,
            lambda: f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
+
+
+def _launch(logits: torch.Tensor, inv_temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
+    rows, width = logits.shape
+    block = min(_ARGMAX_BLOCK, triton.next_power_of_2(width))
+    num_chunks = triton.cdiv(width, block)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    counters = _arrival_counters(logits.device, rows, "argmax")
-    partial_val = torch.empty((rows, num_chunks), dtype=logits.dtype, device=logits.device)
+    # One chunk a row merges nothing: any rows, no counters (the kernel returns before it reads them).
+    counters = _arrival_counters(logits.device, rows, "argmax") if num_chunks > 1 else out
+    partial_val = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     partial_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, num_chunks)](
-        logits, out, partial_val, partial_idx, counters, width, logits.stride(0),
-        BLOCK=_ARGMAX_BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
+        logits, out, partial_val, partial_idx, counters, width, logits.stride(0), inv_temperature, seed,
+        BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
     )
     return out

@@ -11,6 +11,7 @@ import torch
 
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler
+from kernels import reference
 
 EOS = (0, 2)
 VOCAB = 512
@@ -390,14 +391,16 @@ def test_greedy_rows_ignore_generators_and_unseeded_rows_vary():
     assert len(draws) > 1
 
 
-@pytest.mark.parametrize("seeded_rows", [False, True], ids=["default-generator", "own-generators"])
-def test_draw_frequencies_match_probabilities(seeded_rows):
+@pytest.mark.parametrize("seeded_rows,filtered", [(False, True), (True, True), (False, False)],
+                         ids=["default-generator", "own-generators", "temperature-alone"])
+def test_draw_frequencies_match_probabilities(seeded_rows, filtered):
+    """Filtered rows draw after a softmax; unseeded rows at a temperature alone in sample_argmax."""
     vocab, num_draws = 12, 20_000
     sampler = Sampler(EOS)
     row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 1.2, -1.0, 0.8, 0.1, -2.0])
-    params = SamplingParams(temperature=0.8, top_k=8, min_p=0.1)
+    params = SamplingParams(temperature=0.8, top_k=8, min_p=0.1) if filtered else SamplingParams(temperature=0.8)
     want = torch.tensor(reference_probs(row, Seq(params)), dtype=torch.float64)
-    assert (want == 0).sum() >= 5  # some tokens are filtered out, and must never be drawn
+    assert (want == 0).sum() >= 5 if filtered else (want > 0).all()  # filtered-out tokens are never drawn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if seeded_rows:
@@ -412,6 +415,40 @@ def test_draw_frequencies_match_probabilities(seeded_rows):
     assert torch.equal(freq > 0, want > 0)
     # The binomial standard error at 20k draws is at most 0.0035; the seeds are fixed: no flakes.
     torch.testing.assert_close(freq, want, rtol=0, atol=0.015)
+
+
+def test_greedy_and_unseeded_temperature_rows_take_one_kernel():
+    """Greedy rows and unseeded ones at a temperature alone go to the op set's argmax/sample_argmax, in one
+    call; seeded or filtered rows draw after a softmax; processors apply before either."""
+    calls = []
+
+    class Spy:
+        def argmax(self, logits):
+            calls.append(("argmax", logits.shape[0]))
+            return reference.argmax(logits)
+
+        def sample_argmax(self, logits, inv_temperature, seed):
+            calls.append(("sample_argmax", inv_temperature.tolist()))
+            return reference.sample_argmax(logits, inv_temperature, seed)
+
+    sampler = Sampler(EOS, Spy())
+    logits = random_logits(5, seed=9)
+    seqs = [
+        Seq(SamplingParams(temperature=0.0, logit_bias={33: 100.0})),
+        Seq(SamplingParams(temperature=0.5, logit_bias={44: 100.0})),
+        Seq(SamplingParams(temperature=0.5, seed=3), generator=seeded(3)),
+        Seq(SamplingParams(temperature=2.0, top_p=0.9)),
+        Seq(SamplingParams(temperature=0.25, frequency_penalty=1.0), [], [7]),
+    ]
+    tokens = sampler(logits.clone(), seqs).token_ids
+    assert calls == [("sample_argmax", [0.0, 2.0, 4.0])]
+    assert tokens[:2] == [33, 44]
+    calls.clear()
+    assert sampler(logits[:1].clone(), seqs[:1]).token_ids == [33]
+    assert calls == [("argmax", 1)]
+    calls.clear()
+    sampler(logits[2:4].clone(), seqs[2:4])
+    assert calls == []
 
 
 def test_logits_must_match_the_batch():

@@ -33,3 +33,66 @@ def test_gpu_argmax(rows, width):
     assert torch.equal(triton_ops.argmax(logits), reference.argmax(logits))
     logits[:, [5, width - 1]] = 50.0
     assert torch.equal(triton_ops.argmax(logits), reference.argmax(logits))
+
+
+# ---- sample_argmax: Gumbel-max draws ----
+
+ROW = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 1.2, -1.0, 0.8, float("-inf"), -2.0])
+
+
+def draw_frequencies(sample_argmax, draws: int, device: str = "cpu") -> torch.Tensor:
+    """Token frequencies of ``draws`` rows of ROW at temperature 0.5, one seed."""
+    logits = ROW.to(device).expand(draws, ROW.numel()).contiguous()
+    inv_temperature = torch.full((draws,), 2.0, device=device)
+    tokens = sample_argmax(logits, inv_temperature, 2024)
+    return torch.bincount(tokens.cpu(), minlength=ROW.numel()).double() / draws
+
+
+def assert_draws_match_softmax(freq: torch.Tensor, atol: float) -> None:
+    want = (ROW / 0.5).double().softmax(-1)
+    assert freq[10] == 0  # -inf: never drawn
+    torch.testing.assert_close(freq, want, rtol=0, atol=atol)
+
+
+def test_reference_sample_argmax_draws_from_the_tempered_softmax():
+    # 20k draws: the binomial standard error is at most 0.0035; the seed is fixed: no flakes.
+    assert_draws_match_softmax(draw_frequencies(reference.sample_argmax, 20_000), atol=0.015)
+
+
+def test_sample_argmax_draws_from_the_tempered_softmax(ops):
+    # 1.5k draws (the interpreter runs one program at a time): standard error at most 0.013, and at
+    # temperature 1 instead of 0.5 the likeliest token's probability would be off by 0.2.
+    assert_draws_match_softmax(draw_frequencies(ops.sample_argmax, 1_500), atol=0.05)
+
+
+def test_sample_argmax_rows_at_zero_are_the_argmax_and_a_seed_repeats(ops):
+    width = 4096 * 2 + 5  # three chunks: the merge of noisy partials
+    logits = torch.randn(6, width, generator=torch.Generator().manual_seed(3))
+    inv_temperature = torch.tensor([0.0, 1.0, 0.0, 2.0, 1.0, 0.5])
+    for sample_argmax in (ops.sample_argmax, reference.sample_argmax):
+        tokens = sample_argmax(logits, inv_temperature, 7)
+        greedy = inv_temperature == 0
+        assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+        assert torch.equal(sample_argmax(logits, inv_temperature, 7), tokens)
+        others = [sample_argmax(logits, inv_temperature, seed)[~greedy] for seed in range(8, 12)]
+        assert any(not torch.equal(o, tokens[~greedy]) for o in others)  # the noise moves the draws
+
+
+def test_sample_argmax_rejects_bad_inputs(ops):
+    logits = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="inv_temperature has 3 rows, logits 2"):
+        ops.sample_argmax(logits, torch.ones(3), 1)
+    with pytest.raises(ValueError, match="inv_temperature must have dtype"):
+        ops.sample_argmax(logits, torch.ones(2, dtype=torch.float64), 1)
+    with pytest.raises(ValueError, match="seed must be in"):
+        ops.sample_argmax(logits, torch.ones(2), -1)
+
+
+@gpu
+def test_gpu_sample_argmax():
+    assert_draws_match_softmax(draw_frequencies(triton_ops.sample_argmax, 20_000, "cuda"), atol=0.015)
+    logits = torch.randn(64, 151936, device="cuda")
+    inv_temperature = torch.tensor([0.0, 1.7] * 32, device="cuda")
+    tokens = triton_ops.sample_argmax(logits, inv_temperature, 2**62 + 1)
+    assert torch.equal(tokens[::2], logits.argmax(-1)[::2])
+    assert torch.equal(triton_ops.sample_argmax(logits, inv_temperature, 2**62 + 1), tokens)
