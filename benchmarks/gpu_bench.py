@@ -1116,9 +1116,10 @@ def main() -> None:
     parser.add_argument("--scheduling", default=",".join(SCHEDULING),
                         help=f"comma-separated scheduling modes of the engine sections, of {','.join(SCHEDULING)} "
                              "(the peers' comparisons use the last)")
-    parser.add_argument("--cuda-graph-prefill-tokens", type=int, default=0, metavar="TOKENS",
-                        help="the engine sections' --cuda-graph-prefill-tokens (default: 0, the engine's: steps with "
-                             "prompt tokens run eagerly)")
+    prefill_tokens = EngineConfig.__dataclass_fields__["cuda_graph_prefill_tokens"].default
+    parser.add_argument("--cuda-graph-prefill-tokens", type=int, default=prefill_tokens, metavar="TOKENS",
+                        help=f"the engine sections' --cuda-graph-prefill-tokens (default: {prefill_tokens}, the "
+                             "engine's; 0: steps with prompt tokens run eagerly)")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the peers (torch.compile, HF): only our engine's scheduling modes, side by side")
     parser.add_argument("--fp8-dry-run", action="store_true",

@@ -401,9 +401,9 @@ class EngineConfig:
     enforce_eager: bool = _flag(False, "no CUDA graphs: run every step eagerly (default: graphs on CUDA)",
                                 action="store_true")
     cuda_graph_prefill_tokens: int = _flag(
-        0, "steps with prompt tokens of up to this many tokens (and up to --max-num-batched-tokens) replay "
-           "CUDA graphs captured in pieces, each layer's attention run eagerly between them; 0 = such steps "
-           "run eagerly, else at least 16 (off by default until measured on a GPU)", metavar="TOKENS")
+        2048, "steps with prompt tokens of up to this many tokens (and up to --max-num-batched-tokens) replay "
+              "CUDA graphs captured in pieces, each layer's attention run eagerly between them (not with "
+              "--tensor-parallel-size > 1); 0 = such steps run eagerly, else at least 16", metavar="TOKENS")
     enable_prefix_caching: bool = _flag(True, "disable prefix caching", flag="--no-prefix-caching",
                                         action="store_false")
     max_entries_fraction: float = _flag(

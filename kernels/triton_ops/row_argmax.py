@@ -14,6 +14,12 @@ _ARGMAX_BLOCK = 4096  # values per program (at most)
 _ARGMAX_MAX_CHUNKS = 64  # programs per row, merged by the last to finish (vocabularies up to 256K)
 
 
+@triton.jit
+def _gumbel(x, inv_temp, u):
+    """``x * inv_temp`` plus Gumbel noise from the uniform ``u`` (u = 0: -inf, never drawn)."""
+    return x * inv_temp - tl.log(-tl.log(u))
+
+
 @triton.jit(do_not_specialize=["width", "seed"])
 def _argmax_kernel(
     x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride, inv_temp_ptr, seed,
@@ -23,19 +29,33 @@ def _argmax_kernel(
     partial; the row's last program to arrive merges the partials (the largest value, then the
     smallest index) and resets the row's counter to 0 for the next launch. With ``inv_temp_ptr``,
     a row whose inverse temperature is positive compares ``x * inv_temp + gumbel`` instead, the
-    noise Philox's at (``seed``, row * width + column)."""
+    noise of the chunk's four quarters from one Philox call at (``seed``, row * width + the first
+    quarter's column)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    # The chunk as four quarters: one Philox call draws the noise of a column in each.
+    QUARTER: tl.constexpr = BLOCK // 4
+    cols = chunk * BLOCK + tl.arange(0, QUARTER)
+    row_ptr = x_ptr + row.to(tl.int64) * x_stride
+    x0 = tl.load(row_ptr + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    x1 = tl.load(row_ptr + cols + QUARTER, mask=cols + QUARTER < width, other=float("-inf")).to(tl.float32)
+    x2 = tl.load(row_ptr + cols + 2 * QUARTER, mask=cols + 2 * QUARTER < width, other=float("-inf")).to(tl.float32)
+    x3 = tl.load(row_ptr + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < width, other=float("-inf")).to(tl.float32)
     if inv_temp_ptr is not None:
         inv_temp = tl.load(inv_temp_ptr + row)
         if inv_temp > 0:
-            u = tl.rand(seed, row.to(tl.int64) * width + cols)
-            x = x * inv_temp - tl.log(-tl.log(u))  # u = 0: -inf, never drawn
-    best = tl.max(x, 0)
-    best_idx = tl.min(tl.where(x == best, cols, width), 0)
+            u0, u1, u2, u3 = tl.rand4x(seed, row.to(tl.int64) * width + cols)
+            x0 = _gumbel(x0, inv_temp, u0)
+            x1 = _gumbel(x1, inv_temp, u1)
+            x2 = _gumbel(x2, inv_temp, u2)
+            x3 = _gumbel(x3, inv_temp, u3)
+    best = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
+    best_idx = tl.minimum(
+        tl.minimum(tl.min(tl.where(x0 == best, cols, width), 0), tl.min(tl.where(x1 == best, cols + QUARTER, width), 0)),
+        tl.minimum(tl.min(tl.where(x2 == best, cols + 2 * QUARTER, width), 0),
+                   tl.min(tl.where(x3 == best, cols + 3 * QUARTER, width), 0)),
+    )
     if num_chunks == 1:
         tl.store(out_ptr + row, best_idx.to(tl.int64))
         return
@@ -84,7 +104,7 @@ def _check_logits(logits: torch.Tensor) -> None:
 
 def _launch(logits: torch.Tensor, inv_temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
     rows, width = logits.shape
-    block = min(_ARGMAX_BLOCK, triton.next_power_of_2(width))
+    block = min(_ARGMAX_BLOCK, max(4, triton.next_power_of_2(width)))
     num_chunks = triton.cdiv(width, block)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:

@@ -102,7 +102,7 @@ def test_engine_tokens_with_prefill_pieces(model_and_config):
 
 
 def test_cuda_graph_prefill_tokens_setting():
-    assert EngineConfig(model="tiny").cuda_graph_prefill_tokens == 0
+    assert EngineConfig(model="tiny").cuda_graph_prefill_tokens == 2048
     assert EngineConfig(model="tiny", cuda_graph_prefill_tokens=16).cuda_graph_prefill_tokens == 16
     with pytest.raises(ValueError, match="0 \\(off\\) or at least 16"):
         EngineConfig(model="tiny", cuda_graph_prefill_tokens=8)
