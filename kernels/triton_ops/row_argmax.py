@@ -20,6 +20,12 @@ def _gumbel(x, inv_temp, u):
     return x * inv_temp - tl.log(-tl.log(u))
 
 
+@triton.jit
+def _first(x, best, cols, width):
+    """The smallest of ``cols`` where ``x`` is ``best`` (``width`` where none is)."""
+    return tl.min(tl.where(x == best, cols, width), 0)
+
+
 @triton.jit(do_not_specialize=["width", "seed"])
 def _argmax_kernel(
     x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride, inv_temp_ptr, seed,
@@ -51,11 +57,9 @@ def _argmax_kernel(
             x2 = _gumbel(x2, inv_temp, u2)
             x3 = _gumbel(x3, inv_temp, u3)
     best = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
-    best_idx = tl.minimum(
-        tl.minimum(tl.min(tl.where(x0 == best, cols, width), 0), tl.min(tl.where(x1 == best, cols + QUARTER, width), 0)),
-        tl.minimum(tl.min(tl.where(x2 == best, cols + 2 * QUARTER, width), 0),
-                   tl.min(tl.where(x3 == best, cols + 3 * QUARTER, width), 0)),
-    )
+    best_idx = tl.minimum(tl.minimum(_first(x0, best, cols, width), _first(x1, best, cols + QUARTER, width)),
+                          tl.minimum(_first(x2, best, cols + 2 * QUARTER, width),
+                                     _first(x3, best, cols + 3 * QUARTER, width)))
     if num_chunks == 1:
         tl.store(out_ptr + row, best_idx.to(tl.int64))
         return
