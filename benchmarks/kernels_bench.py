@@ -9,7 +9,8 @@ shapes) as decode_attention against rotary_embedding + store_kv + paged_attentio
 graphs, as the engine replays decode steps; the ``gemv`` rows time the decode projections
 (linear, norm_linear) against cuBLAS with the norms and SiLU-and-mul as separate launches; the
 ``decode_layer`` rows a whole batch-1 decoder layer (the GEMVs and decode_attention). The ``fp8``
-rows time fp8 weights against bf16 by path and batch size (see ``bench_fp8``).
+rows time fp8 weights against bf16 by path and batch size (see ``bench_fp8``); the ``sampler`` rows
+a decode step's draw at a temperature (see ``bench_sampler``).
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
@@ -33,6 +34,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.fp8 import quantize_weight
+from engine.protocol import SamplingParams
+from engine.sampler import _draw, _filtered_probs
 from kernels import reference, triton_ops
 from kernels.triton_ops import attention, fused_decode, gemv
 from kernels.triton_ops import fp8 as fp8_ops
@@ -722,13 +725,36 @@ def _fp8_prefill(bf16: LayerWeights, fp8: dict) -> None:
                  speedup=round(bf16_us / fp8_us, 3))
 
 
+def bench_sampler(bandwidth: float) -> None:
+    """A decode step's draw for rows at a temperature alone (unseeded): ``sample_argmax`` (one read of
+    the logits, the noise drawn inside) against the sampler's softmax-and-draw path (``_filtered_probs``
+    then ``_draw``: what such rows took before) and the plain argmax, at the Llama 3 and Qwen3
+    vocabularies. The softmax path writes into its logits: it times a copy too, then the copy alone,
+    and reports the difference."""
+    for vocab in (128256, 151936):
+        for rows in (1, 64, 256):
+            logits = torch.randn(rows, vocab, device="cuda") * 3
+            params = [SamplingParams(temperature=0.6)] * rows
+            inv_temperature = torch.full((rows,), 1 / 0.6, device="cuda")
+            work = torch.empty_like(logits)
+            copy_us = time_us(lambda: work.copy_(logits))
+            softmax_us = time_us(lambda: _draw(_filtered_probs(work.copy_(logits), params), [None] * rows)) - copy_us
+            sample_us = time_us(lambda: triton_ops.sample_argmax(logits, inv_temperature, 1234))
+            roofline_us = logits.numel() * 4 / bandwidth * 1e6
+            argmax_us = time_us(lambda: triton_ops.argmax(logits))
+            emit(bench="sampler", rows=rows, vocab=vocab, temperature=0.6, sample_argmax_us=round(sample_us, 2),
+                 softmax_and_draw_us=round(softmax_us, 2), argmax_us=round(argmax_us, 2),
+                 roofline_us=round(roofline_us, 2), speedup_vs_softmax_and_draw=round(softmax_us / sample_us, 2),
+                 sample_argmax_fraction_of_roofline=round(roofline_us / sample_us, 3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="roofline bandwidth, B/s")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention and GEMV tiles")
     parser.add_argument(
-        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "decode_layer", "fp8"),
+        "--only", choices=("decode", "fused_decode", "prefill", "small_ops", "gemv", "decode_layer", "fp8", "sampler"),
         help="run one group of benchmarks (after the bandwidth measurement)",
     )
     parser.add_argument("--fp8-sweep-rows", default=",".join(map(str, FP8_SWEEP_ROWS)),
@@ -747,6 +773,7 @@ def main() -> None:
         "gemv": lambda: bench_gemv(bandwidth, args.sweep),
         "decode_layer": lambda: bench_decode_layer(bandwidth, args.sweep),
         "fp8": lambda: bench_fp8(bandwidth, args.sweep, tuple(int(r) for r in args.fp8_sweep_rows.split(","))),
+        "sampler": lambda: bench_sampler(bandwidth),
     }
     for name, run in groups.items():
         if args.only in (None, name):
