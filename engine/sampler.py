@@ -52,8 +52,8 @@ class Sampler:
     ``logits`` is ``[num_seqs, vocab]`` fp32, row ``i`` belonging to ``seqs[i]``; the sampler uses
     it as scratch space, so its contents are undefined after a call. A row with a ``generator``
     draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
-    whatever else is in the batch and wherever its row is; an unseeded one draws from torch's
-    default generator (the key of the kernel's noise, when it draws there). Stateless apart from
+    whatever else is in the batch and wherever its row is; unseeded rows draw from torch's default
+    generator (directly, or through the seed of ``sample_argmax``'s noise). Stateless apart from
     the EOS ids and the grammar masks' buffer: one instance may serve any number of steps, one at a
     time. ``ops``: the op set whose ``argmax``/``sample_argmax`` run the direct rows.
     """
