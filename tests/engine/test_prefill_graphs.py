@@ -13,7 +13,7 @@ from engine.models import build_model
 from engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from engine.protocol import SamplingParams
 from kernels import load_ops
-from tests.engine.paged import generate, mixed_step
+from tests.engine.paged import clone, generate, mixed_step
 from tests.engine.test_kv_groups import gemma3_shape
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -55,10 +55,15 @@ def model_and_config(request, tiny):
 
 
 @torch.inference_mode()
-def test_a_mixed_step_in_pieces_matches_the_eager_step(model_and_config):
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8-weights-and-kv"])
+def test_a_mixed_step_in_pieces_matches_the_eager_step(model_and_config, fp8):
     """Two decoding sequences and a prompt's chunk (27 tokens in bucket 32: five padding rows): the
-    pieces give the eager step's hidden states and K/V, and the padding rows store nothing."""
-    core = core_of(*model_and_config)
+    pieces give the eager step's hidden states and K/V, and the padding rows store nothing; with fp8
+    weights and an fp8 KV pool too (the scales reach each layer's attention between the pieces)."""
+    model, config = model_and_config
+    settings = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3") if fp8 else {}
+    core = core_of(clone(model) if fp8 else model, config, **settings)
+    assert (core.runner.kv_pages[0][0].dtype == torch.float8_e4m3fn) == fp8
     scheduled = mixed_step(core, [5, 13], 25, range(3, 500), seed=0, warm_steps=4)
     assert [n for _, n in scheduled] == [1, 1, 25]
     runner = core.runner
@@ -71,7 +76,7 @@ def test_a_mixed_step_in_pieces_matches_the_eager_step(model_and_config):
     torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
     for layer, before in zip(runner.kv_caches, caches):  # the step's K/V stored again, and nothing else
         for cache, expected in zip(layer, before):
-            torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.float(), expected.float(), rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
