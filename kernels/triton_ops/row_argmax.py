@@ -36,19 +36,24 @@ def _argmax_kernel(
     smallest index) and resets the row's counter to 0 for the next launch. With ``inv_temp_ptr``,
     a row whose inverse temperature is positive compares ``x * inv_temp + gumbel`` instead, the
     noise of the chunk's four quarters from one Philox call at (``seed``, row * width + the first
-    quarter's column)."""
+    quarter's column); without, the chunk is one block, as the plain argmax always was."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
-    # The chunk as four quarters: one Philox call draws the noise of a column in each.
-    QUARTER: tl.constexpr = BLOCK // 4
-    cols = chunk * BLOCK + tl.arange(0, QUARTER)
     row_ptr = x_ptr + row.to(tl.int64) * x_stride
-    x0 = tl.load(row_ptr + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
-    x1 = tl.load(row_ptr + cols + QUARTER, mask=cols + QUARTER < width, other=float("-inf")).to(tl.float32)
-    x2 = tl.load(row_ptr + cols + 2 * QUARTER, mask=cols + 2 * QUARTER < width, other=float("-inf")).to(tl.float32)
-    x3 = tl.load(row_ptr + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < width, other=float("-inf")).to(tl.float32)
-    if inv_temp_ptr is not None:
+    if inv_temp_ptr is None:
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+        best = tl.max(x, 0)
+        best_idx = _first(x, best, cols, width)
+    else:
+        # The chunk as four quarters: one Philox call draws the noise of a column in each.
+        QUARTER: tl.constexpr = BLOCK // 4
+        cols = chunk * BLOCK + tl.arange(0, QUARTER)
+        x0 = tl.load(row_ptr + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+        x1 = tl.load(row_ptr + cols + QUARTER, mask=cols + QUARTER < width, other=float("-inf")).to(tl.float32)
+        x2 = tl.load(row_ptr + cols + 2 * QUARTER, mask=cols + 2 * QUARTER < width, other=float("-inf")).to(tl.float32)
+        x3 = tl.load(row_ptr + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < width, other=float("-inf")).to(tl.float32)
         inv_temp = tl.load(inv_temp_ptr + row)
         if inv_temp > 0:
             u0, u1, u2, u3 = tl.rand4x(seed, row.to(tl.int64) * width + cols)
@@ -56,10 +61,10 @@ def _argmax_kernel(
             x1 = _gumbel(x1, inv_temp, u1)
             x2 = _gumbel(x2, inv_temp, u2)
             x3 = _gumbel(x3, inv_temp, u3)
-    best = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
-    best_idx = tl.minimum(tl.minimum(_first(x0, best, cols, width), _first(x1, best, cols + QUARTER, width)),
-                          tl.minimum(_first(x2, best, cols + 2 * QUARTER, width),
-                                     _first(x3, best, cols + 3 * QUARTER, width)))
+        best = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
+        best_idx = tl.minimum(tl.minimum(_first(x0, best, cols, width), _first(x1, best, cols + QUARTER, width)),
+                              tl.minimum(_first(x2, best, cols + 2 * QUARTER, width),
+                                         _first(x3, best, cols + 3 * QUARTER, width)))
     if num_chunks == 1:
         tl.store(out_ptr + row, best_idx.to(tl.int64))
         return
