@@ -75,13 +75,14 @@ def _warmup_run(core: EngineCore, prompts: Iterator[int], lengths: list[int],
     vocab = core.model_config.vocab_size
     for i, length in enumerate(lengths):
         first = next(prompts) * 7919  # distinct prompts: no prefix hits among warmup requests
-        sampling = SamplingParams(max_tokens=_WARMUP_DECODES, temperature=0.0 if i == 0 else 0.7, ignore_eos=True)
         if i == 1:
             sampling = SamplingParams(
                 max_tokens=_WARMUP_DECODES, temperature=0.8, top_p=0.9, top_k=40, min_p=0.01, presence_penalty=0.1,
                 frequency_penalty=0.1, repetition_penalty=1.1, seed=0, logprobs=2, ignore_eos=True,
                 structured=structured,
             )
+        else:
+            sampling = SamplingParams(max_tokens=_WARMUP_DECODES, temperature=0.0 if i == 0 else 0.7, ignore_eos=True)
         request = GenerateRequest(
             request_id=f"kvgate-warmup-{first}",
             prompt_ids=[(first + j) % vocab for j in range(length)],
