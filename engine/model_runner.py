@@ -346,7 +346,7 @@ class ModelRunner:
 
     def _verified(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         return [SampledToken(seq, t.token_id, t.logprob)
-                for seq, tokens in zip(seqs, verify(self.sampler, logits, seqs)) for t in tokens]
+                for seq, tokens in zip(seqs, verify(self.sampler, logits.float(), seqs)) for t in tokens]
 
     def _metadata(
         self, block_tables: np.ndarray, seq_lens: list[int], query_start: list[int], slots: list[int],

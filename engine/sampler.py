@@ -49,8 +49,10 @@ class SamplerOutput(NamedTuple):
 class Sampler:
     """Picks one token per row of a step's logits.
 
-    ``logits`` is ``[num_seqs, vocab]`` fp32, row ``i`` belonging to ``seqs[i]``; the sampler uses
-    it as scratch space, so its contents are undefined after a call. A row with a ``generator``
+    ``logits`` is ``[num_seqs, vocab]``, row ``i`` belonging to ``seqs[i]``: fp32, or the model's
+    narrower logits (a CUDA graph's bf16 buffer), which the sampler widens to fp32 first unless every
+    row takes its token from them directly (greedy or at a temperature alone, nothing applied
+    before). It uses them as scratch space, so their contents are undefined after a call. A row with a ``generator``
     draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
     whatever else is in the batch and wherever its row is; unseeded rows draw from torch's default
     generator (directly, or through the seed of ``sample_argmax``'s noise). Stateless apart from
@@ -73,16 +75,17 @@ class Sampler:
         """As calling the sampler, the tokens left on the logits' device (``[num_seqs]`` int64): only
         rows that ask for logprobs wait for the device."""
         _check_batch(logits, seqs)
+        # Direct rows are greedy, or at a temperature alone and unseeded; the rest are drawn.
+        is_direct = [s.sampling.greedy or s.generator is None and not _filters(s.sampling) for s in seqs]
+        direct = [i for i, d in enumerate(is_direct) if d]
+        drawn = [i for i, d in enumerate(is_direct) if not d]
+        if logits.dtype != torch.float32 and (drawn or not all(map(self._raw, seqs))):
+            logits = logits.float()
         self.masks.apply(logits, [s.matcher for s in seqs])
         logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
         # Taken before the processors below write into logits.
         raw_logprobs = _rows(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
         self._adjust(logits, seqs)
-        direct: list[int] = []  # greedy, or at a temperature alone and unseeded
-        drawn: list[int] = []
-        for i, s in enumerate(seqs):
-            seeded_or_filtered = s.generator is not None or _filters(s.sampling)
-            (drawn if not s.sampling.greedy and seeded_or_filtered else direct).append(i)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if direct:
             _put(tokens, direct, self._direct(_rows(logits, direct), [seqs[i].sampling for i in direct]))
@@ -99,17 +102,19 @@ class Sampler:
 
     def plain_greedy(self, seqs: Sequence[SamplingSeq]) -> bool:
         """Whether every row's token is the argmax of its raw logits and no row asks for
-        logprobs: no grammar, bias, penalty or min-tokens mask applies, so a caller may take an
-        argmax computed elsewhere (inside a CUDA graph) instead of calling the sampler."""
-        for s in seqs:
-            p = s.sampling
-            masked = len(s.output_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos and self.eos_token_ids)
-            if (
-                s.matcher is not None or not p.greedy or p.logprobs is not None or p.logit_bias or masked
-                or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            ):
-                return False
-        return True
+        logprobs, so a caller may take an argmax computed elsewhere (inside a CUDA graph)
+        instead of calling the sampler."""
+        return all(s.sampling.greedy and self._raw(s) for s in seqs)
+
+    def _raw(self, s: SamplingSeq) -> bool:
+        """Whether a row's logits reach its draw as they are and it asks for no logprobs: no grammar,
+        bias, penalty or min-tokens mask applies."""
+        p = s.sampling
+        masked = len(s.output_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos and self.eos_token_ids)
+        return not (
+            s.matcher is not None or p.logprobs is not None or p.logit_bias or masked
+            or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
 
     def probs(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> torch.Tensor:
         """The distribution each row's token would be drawn from, ``[num_seqs, vocab]``.

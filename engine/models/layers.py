@@ -223,13 +223,23 @@ class CausalLM(nn.Module):
             return self.decode_stack(input_ids, positions, attn, kv_caches)
         return self.model(input_ids, positions, attn, kv_caches)
 
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype the LM head computes logits in (the activations'): exact there, widened to fp32 by
+        ``compute_logits`` unless it writes into a buffer of this dtype."""
+        return self.factory["dtype"]
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``hidden``'s rows: fp32, or written into ``out`` (fp32, or :attr:`logits_dtype`:
+        a CUDA graph's static buffer, which the head's product fills with no widening copy)."""
         weight = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
         matmul = getattr(weight, "cpu_matmul", None)  # a CPU matmul path's (engine.models.cpu)
         if matmul is not None:
             logits = matmul(hidden)
         elif hasattr(weight, "weight_scale"):  # an fp8 head (engine.models.fp8.quantize_lm_head)
             logits = self.lm_head(hidden)
+        elif out is not None and out.dtype == hidden.dtype:
+            return torch.mm(hidden, weight.t(), out=out)
         else:
             logits = F.linear(hidden, weight)
         return logits.float() if out is None else out.copy_(logits)

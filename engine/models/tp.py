@@ -110,7 +110,7 @@ class VocabParallelEmbedding(nn.Module):
 class TensorParallelLM(nn.Module):
     """One rank's shard of a :class:`CausalLM`, with the same ``forward`` / ``compute_logits``
     contract (``config`` is the rank's :func:`local_config`). ``compute_logits`` is a collective:
-    every rank calls it on the same rows and gets the full fp32 logits."""
+    every rank calls it on the same rows and gets the full logits (fp32, or ``out``'s dtype)."""
 
     def __init__(self, model: CausalLM, config: ModelConfig, vocab_size: int, group: dist.ProcessGroup) -> None:
         super().__init__()
@@ -122,6 +122,10 @@ class TensorParallelLM(nn.Module):
 
     def forward(self, input_ids, positions, attn, kv_caches) -> torch.Tensor:
         return self.model(input_ids, positions, attn, kv_caches)
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        return self.model.logits_dtype
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         inner = self.model

@@ -19,14 +19,15 @@ from kernels import load_ops
 
 
 def peaky_tiny(
-    device: str = "cpu", ops: str = "torch", max_position_embeddings: int | None = None
+    device: str = "cpu", ops: str = "torch", max_position_embeddings: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The tiny dummy shape with peaky weights: greedy ties are unlikely, sampling differs visibly."""
     torch.manual_seed(0)
     config = DUMMY_CONFIGS["tiny"]
     if max_position_embeddings is not None:
         config = dataclasses.replace(config, max_position_embeddings=max_position_embeddings)
-    model = LlamaForCausalLM(config, load_ops(ops), device=device)
+    model = LlamaForCausalLM(config, load_ops(ops), device=device, dtype=dtype)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return model, config
