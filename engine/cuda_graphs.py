@@ -8,9 +8,11 @@ that fits its longest context. Every graph reads the same static input buffers, 
 largest bucket, with block tables at the full ``max_model_len`` width (the decode kernels' split
 counts depend on that width, never on the lengths, so one capture serves every length it bounds).
 The graphs share one memory pool, captured largest first, and one logits buffer, so their memory
-is about the largest bucket's activations and logits. The LM head and a greedy argmax run inside the graph: a step
-whose rows need nothing but the argmax (``Sampler.plain_greedy``) launches nothing more; any other
-step samples from the graph's logits outside it (per-request generators, penalties, logprobs).
+is about the largest bucket's activations and logits, which stay in the head's dtype. The LM head
+and ``sample_argmax`` run inside the graph, the rows' inverse temperatures (0: the argmax) and the
+noise's seed among the static inputs: a step whose rows are all greedy or at a temperature alone
+(``Sampler.direct_draw``) launches nothing more; any other step samples from the graph's logits
+outside it (per-request generators, filters, penalties, logprobs).
 
 With ``query_len`` q > 1 the same machinery captures speculative verification steps: every row is
 q query tokens (a decoding sequence's last token and its draft, padded to q: padding tokens store
@@ -23,13 +25,16 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.attention import FUSED_DECODE_MAX_CONTEXT, AttentionMetadata
 from engine.kv_groups import group_tables
 from engine.request import Sequence
+
+if TYPE_CHECKING:
+    from engine.sampler import DirectDraw
 
 
 class CarriedTokens(NamedTuple):
@@ -50,7 +55,7 @@ class CarriedTokens(NamedTuple):
 
 class DecodeOutput(NamedTuple):
     logits: torch.Tensor  # [num_seqs, vocab] in the model's logits_dtype, a view of the graph's static output
-    greedy: torch.Tensor  # [num_seqs] int64, each row's argmax
+    tokens: torch.Tensor  # [num_seqs] int64, each row's argmax, or its draw where ``run`` was given a DirectDraw
 
 # Static int64 rows (input ids, positions, slots) are padded to this many entries so that each
 # row starts 128-byte aligned, as the eager path's fresh tensors do (Triton specializes on it).
@@ -104,17 +109,19 @@ class DecodeGraphs:
         # with numpy) and copied to the device in one transfer per step, as far as the step's block
         # table rows reach: the id rows (input ids, positions, each group's slots, then the rows whose
         # input id is a token of the previous step still on the device, and where that step's tokens
-        # hold it: overlapped steps), the context lengths, then each group's block tables. Each
-        # stream op costs the device microseconds between two replays, whatever its size.
+        # hold it: overlapped steps), each row's inverse temperature and the seed of the graph's
+        # sample_argmax, the context lengths, then each group's block tables. Each stream op costs
+        # the device microseconds between two replays, whatever its size.
         self._slot_rows = slice(2, 2 + num_groups)
         self._dst_row, self._src_row = 2 + num_groups, 3 + num_groups
-        shapes = ((torch.int64, (4 + num_groups, width)), (torch.int32, (self.max_batch_size,)),
+        shapes = ((torch.int64, (4 + num_groups, width)), (torch.float32, (width,)), (torch.int64, (1,)),
+                  (torch.int32, (self.max_batch_size,)),
                   (torch.int32, (num_groups, self.max_batch_size, max_blocks_per_seq)))
         offsets, size = [], 0
         for dtype, shape in shapes:
             offsets.append(size)
             size += -(-math.prod(shape) * dtype.itemsize // _REGION_ALIGN) * _REGION_ALIGN
-        self._table_offset, self._table_row_bytes = offsets[2], max_blocks_per_seq * 4
+        self._table_offset, self._table_row_bytes = offsets[-1], max_blocks_per_seq * 4
         host_inputs = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
         self._inputs = torch.zeros(size, dtype=torch.uint8, device=device)
 
@@ -123,8 +130,9 @@ class DecodeGraphs:
                     for offset, (dtype, shape) in zip(offsets, shapes)]
 
         self._host_inputs = host_inputs
-        self._np_ids, self._np_seq_lens, self._np_tables = (view.numpy() for view in views(host_inputs))
-        self._ids, self._seq_lens, self._tables = views(self._inputs)
+        self._np_ids, self._np_inv_temperature, self._np_seed, self._np_seq_lens, self._np_tables = (
+            view.numpy() for view in views(host_inputs))
+        self._ids, self._inv_temperature, self._seed, self._seq_lens, self._tables = views(self._inputs)
         # Per group and staging row: the block list it was filled from and how many of its ids it
         # holds. A sequence's list only grows while the sequence holds its blocks (freeing them
         # replaces the list; a window group's entries before the window, which attention never
@@ -181,7 +189,10 @@ class DecodeGraphs:
             attn.groups = groups
         hidden = self.model(self._ids[0, :num_tokens], self._ids[1, :num_tokens], attn, self.kv_caches)
         logits = self.model.compute_logits(hidden, out=self._logits[:num_tokens])
-        return DecodeOutput(logits, self.model.ops.argmax(logits))
+        ops = self.model.ops
+        if q > 1:  # verification: its logits are what the step reads
+            return DecodeOutput(logits, ops.argmax(logits))
+        return DecodeOutput(logits, ops.sample_argmax(logits, self._inv_temperature[:num_tokens], self._seed))
 
     def capture(self) -> int:
         """Capture every bucket at every context bound, largest first, into one pool; returns
@@ -210,12 +221,14 @@ class DecodeGraphs:
             len(s.draft_ids) < q and (q == 1 or s.num_computed_tokens + q <= self.capacity) for s in seqs
         )
 
-    def run(self, seqs: Seq[Sequence], carried: CarriedTokens | None = None) -> DecodeOutput:
+    def run(self, seqs: Seq[Sequence], carried: CarriedTokens | None = None,
+            draw: DirectDraw | None = None) -> DecodeOutput:
         """Logits and argmax of the next token of each sequence (each has exactly one token to
         compute, its draft if q > 1, and its blocks allocated); row ``i * q + j`` is sequence ``i``'s
         ``j``-th query token. Writes their K/V into the cache. The outputs are views of static
         buffers: valid until the next ``run``. ``carried`` (q == 1): the sequences whose token is
-        still pending, read from the previous step's tokens on the device."""
+        still pending, read from the previous step's tokens on the device. ``draw`` (q == 1, one
+        entry a sequence): the tokens are sample_argmax's with these temperatures and seed."""
         n = len(seqs)
         q = self.query_len
         if self._copied is not None:
@@ -251,6 +264,12 @@ class DecodeGraphs:
         ids[1, n * q : batch_size * q] = list(range(q)) * (batch_size - n)
         ids[self._slot_rows, n * q : batch_size * q] = -1
         seq_lens[n:batch_size] = 0 if q == 1 else q
+        inv_temperature = self._np_inv_temperature
+        if draw is None:
+            inv_temperature[:batch_size] = 0.0
+        else:
+            inv_temperature[:n], inv_temperature[n:batch_size] = draw.inv_temperature, 0.0
+            self._np_seed[0] = draw.seed
         num_carried = 0 if carried is None else len(carried.rows)
         if num_carried:
             ids[self._dst_row, :num_carried], ids[self._src_row, :num_carried] = zip(*carried.rows)
@@ -267,4 +286,4 @@ class DecodeGraphs:
             out = self._outputs[key]
         else:
             out = self._forward(*key, seq_lens[:batch_size].tolist())
-        return DecodeOutput(out.logits[: n * q], out.greedy[: n * q])
+        return DecodeOutput(out.logits[: n * q], out.tokens[: n * q])

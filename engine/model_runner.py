@@ -299,17 +299,18 @@ class ModelRunner:
         graphed = (graphs is not None and not prompt_logprobs and len(scheduled) <= graphs.max_batch_size
                    and all(n == 1 for _, n in scheduled))
         if graphed:
-            logits, greedy = graphs.run([seq for seq, _ in scheduled], carried)
-            sample_rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            seqs = [seq for seq, _ in scheduled]
+            sample_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            sampling_seqs = [seqs[i] for i in sample_rows]
+            # Every row samples straight from its raw logits: the graph's own draw is the answer.
+            draw = self.sampler.direct_draw(seqs) if len(sample_rows) == len(seqs) else None
+            logits, tokens = graphs.run(seqs, carried, draw)
             if not sample_rows:
                 return LaunchedStep.on_host([], graphed, clock)
-            sampling_seqs = [scheduled[i].seq for i in sample_rows]
+            if draw is not None:
+                return LaunchedStep(seqs, tokens, [None] * len(seqs), graphed, self._host_tokens(), clock)
             if len(sample_rows) < logits.shape[0]:
-                rows = to_device(sample_rows, torch.int64, self.device)
-                logits, greedy = logits[rows], greedy[rows]
-            if self.sampler.plain_greedy(sampling_seqs):  # the graph's argmax is the answer (no grammar)
-                return LaunchedStep(sampling_seqs, greedy, [None] * len(sampling_seqs), graphed, self._host_tokens(),
-                                    clock)
+                logits = logits[to_device(sample_rows, torch.int64, self.device)]
         else:
             hidden, sample_rows, sampling_seqs = self._run_eager(scheduled, carried)
             if prompt_logprobs:

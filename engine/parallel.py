@@ -45,6 +45,7 @@ from engine.logs import configure_logging
 from engine.model_runner import ModelRunner
 from engine.models.tp import TensorParallelLM, shard_model
 from engine.request import Sequence
+from engine.sampler import DirectDraw
 from engine.structured import Grammars
 from kernels import load_ops
 
@@ -214,13 +215,14 @@ class RankDecodeGraphs(DecodeGraphs):
         dist.broadcast(self._inputs, src=0, group=self.group)
         return super()._forward(batch_size, context_bound, seq_lens_cpu)
 
-    def run(self, seqs: list[Sequence], carried: CarriedTokens | None = None) -> DecodeOutput:
+    def run(self, seqs: list[Sequence], carried: CarriedTokens | None = None,
+            draw: DirectDraw | None = None) -> DecodeOutput:
         """Rank 0's step: as DecodeGraphs.run, the followers told which graph first (the graph's
         broadcast of the input ids carries the tokens of ``carried`` to them)."""
         seq_lens = [seq.num_computed_tokens + 1 for seq in seqs]
         key = self.graph_key(len(seqs), max(seq_lens))
         self.followers.send(DecodeReplay(key, seq_lens + [0] * (key[0] - len(seqs))))
-        return super().run(seqs, carried)
+        return super().run(seqs, carried, draw)
 
     def replay(self, msg: DecodeReplay) -> None:
         """A follower's step: the graph rank 0 replays."""

@@ -46,6 +46,14 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprob | None]  # one per row; None where sampling.logprobs is None
 
 
+class DirectDraw(NamedTuple):
+    """What ``sample_argmax`` needs to pick the tokens of rows that are all direct (greedy, or at a
+    temperature alone and unseeded) and raw (nothing applied to their logits, no logprobs)."""
+
+    inv_temperature: list[float]  # one per row; 0: greedy
+    seed: int  # of the noise, drawn from torch's default generator; 0 (none drawn) when every row is greedy
+
+
 class Sampler:
     """Picks one token per row of a step's logits.
 
@@ -75,8 +83,7 @@ class Sampler:
         """As calling the sampler, the tokens left on the logits' device (``[num_seqs]`` int64): only
         rows that ask for logprobs wait for the device."""
         _check_batch(logits, seqs)
-        # Direct rows are greedy, or at a temperature alone and unseeded; the rest are drawn.
-        is_direct = [s.sampling.greedy or s.generator is None and not _filters(s.sampling) for s in seqs]
+        is_direct = list(map(_is_direct, seqs))
         direct = [i for i, d in enumerate(is_direct) if d]
         drawn = [i for i, d in enumerate(is_direct) if not d]
         if logits.dtype != torch.float32 and (drawn or not all(map(self._raw, seqs))):
@@ -105,6 +112,14 @@ class Sampler:
         logprobs, so a caller may take an argmax computed elsewhere (inside a CUDA graph)
         instead of calling the sampler."""
         return all(s.sampling.greedy and self._raw(s) for s in seqs)
+
+    def direct_draw(self, seqs: Sequence[SamplingSeq]) -> DirectDraw | None:
+        """Where every row is direct and raw, what ``sample_argmax`` needs to pick their tokens as
+        ``sample`` would (its seed drawn now, the one draw ``sample`` makes then), so that a caller
+        may draw them elsewhere (inside a CUDA graph); else None."""
+        if all(_is_direct(s) and self._raw(s) for s in seqs):
+            return _direct_draw([s.sampling for s in seqs])
+        return None
 
     def _raw(self, s: SamplingSeq) -> bool:
         """Whether a row's logits reach its draw as they are and it asks for no logprobs: no grammar,
@@ -135,11 +150,11 @@ class Sampler:
 
     def _direct(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The tokens of rows that are greedy or sample at their temperature alone, in one kernel."""
-        if all(p.greedy for p in params):
+        draw = _direct_draw(params)
+        if not any(draw.inv_temperature):
             return self.ops.argmax(logits)
-        inv_temperature = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32,
-                                    logits.device)
-        return self.ops.sample_argmax(logits, inv_temperature, int(torch.randint(2**63 - 1, ())))
+        inv_temperature = to_device(draw.inv_temperature, torch.float32, logits.device)
+        return self.ops.sample_argmax(logits, inv_temperature, draw.seed)
 
     def _adjust(self, logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
         """Logit bias, min-tokens masking and penalties, in place."""
@@ -257,6 +272,17 @@ def _apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSeq]) -> None:
         frequency = _values([seqs[i].sampling.frequency_penalty for i in rows], logits)[which]
         logits[index] = logits[index] - presence  # once per token: copies write the same value
         logits.index_put_(index, -frequency, accumulate=True)  # once per occurrence
+
+
+def _is_direct(s: SamplingSeq) -> bool:
+    """Whether a row's token comes from ``sample_argmax`` (greedy, or at a temperature alone and
+    unseeded) rather than a softmax and a draw."""
+    return s.sampling.greedy or s.generator is None and not _filters(s.sampling)
+
+
+def _direct_draw(params: list[SamplingParams]) -> DirectDraw:
+    inv_temperature = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
+    return DirectDraw(inv_temperature, int(torch.randint(2**63 - 1, ())) if any(inv_temperature) else 0)
 
 
 def _filters(params: SamplingParams) -> bool:

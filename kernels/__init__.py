@@ -175,12 +175,16 @@ class KernelOps(Protocol):
         ``[rows, vocab] -> [rows]`` int64."""
 
     def sample_argmax(
-        self, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int  # [rows] fp32; seed in [0, 2**63)
+        self,
+        logits: torch.Tensor,
+        inv_temperature: torch.Tensor,  # [rows] fp32
+        seed: int | torch.Tensor,  # in [0, 2**63), or a one-element int64 tensor on the logits' device holding it
     ) -> torch.Tensor:
         """Each row's token, ``[rows]`` int64: where ``inv_temperature`` is positive, a draw from
         ``softmax(logits * inv_temperature)`` (Gumbel-max: the argmax of ``logits * inv_temperature``
         plus Gumbel noise, a function of ``seed``, the row and the column); where it is 0, ``argmax``'s.
-        Each implementation has its own noise stream: the same seed gives the same tokens on one."""
+        Each implementation has its own noise stream: the same seed gives the same tokens on one. A
+        seed tensor is read when the op runs (a CUDA graph replays it with the seed it then holds)."""
 
 
 def load_ops(backend: str) -> KernelOps:

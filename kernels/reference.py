@@ -307,9 +307,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torch.Tensor:
-    """The noise: torch's generator on the logits' device, seeded with ``seed`` (not Triton's stream)."""
-    generator = torch.Generator(device=logits.device).manual_seed(seed)
+def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
+    """The noise: torch's generator on the logits' device, seeded with ``seed`` (not Triton's stream).
+    A seed tensor is read on the host."""
+    generator = torch.Generator(device=logits.device).manual_seed(int(seed))
     u = torch.rand(logits.shape, generator=generator, device=logits.device)
     t = inv_temperature.unsqueeze(1)
     return torch.where(t > 0, logits.float() * t - (-u.log()).log(), logits.float()).argmax(-1)

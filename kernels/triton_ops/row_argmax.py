@@ -29,14 +29,15 @@ def _first(x, best, cols, width):
 @triton.jit(do_not_specialize=["width", "seed"])
 def _argmax_kernel(
     x_ptr, out_ptr, partial_val_ptr, partial_idx_ptr, counters_ptr, width, x_stride, inv_temp_ptr, seed,
-    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, SEED_IN_MEMORY: tl.constexpr,
 ):
     """Program (row, chunk): the chunk's largest value and its first index, written as a
     partial; the row's last program to arrive merges the partials (the largest value, then the
     smallest index) and resets the row's counter to 0 for the next launch. With ``inv_temp_ptr``,
     a row whose inverse temperature is positive compares ``x * inv_temp + gumbel`` instead, the
     noise of the chunk's four quarters from one Philox call at (``seed``, row * width + the first
-    quarter's column); without, the chunk is one block, as the plain argmax always was."""
+    quarter's column; SEED_IN_MEMORY: ``seed`` points at it, so a CUDA graph replays with fresh
+    seeds); without, the chunk is one block, as the plain argmax always was."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -56,6 +57,8 @@ def _argmax_kernel(
         x3 = tl.load(row_ptr + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < width, other=float("-inf")).to(tl.float32)
         inv_temp = tl.load(inv_temp_ptr + row)
         if inv_temp > 0:
+            if SEED_IN_MEMORY:
+                seed = tl.load(seed)
             u0, u1, u2, u3 = tl.rand4x(seed, row.to(tl.int64) * width + cols)
             x0 = _gumbel(x0, inv_temp, u0)
             x1 = _gumbel(x1, inv_temp, u1)
@@ -90,15 +93,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _launch(logits, None, 0)
 
 
-def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torch.Tensor:
-    """As ``argmax``, each row's noise drawn in the kernel (Philox, keyed by ``seed``): one read of
-    the logits, nothing written but the tokens."""
+def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
+    """As ``argmax``, each row's noise drawn in the kernel (Philox, keyed by ``seed``, or by the value
+    a one-element int64 tensor holds when the kernel runs): one read of the logits, nothing written
+    but the tokens."""
     _check_logits(logits)
     _check_tensor("inv_temperature", inv_temperature, 1, (torch.float32,))
-    _check_devices(logits=logits, inv_temperature=inv_temperature)
     _check(inv_temperature.shape[0] == logits.shape[0],
            lambda: f"inv_temperature has {inv_temperature.shape[0]} rows, logits {logits.shape[0]}")
-    _check(0 <= seed < 2**63, lambda: f"seed must be in [0, 2**63), got {seed}")
+    if isinstance(seed, torch.Tensor):
+        _check(seed.dtype == torch.int64 and seed.numel() == 1,
+               lambda: f"a seed tensor must hold one int64, got {seed.dtype} of shape {tuple(seed.shape)}")
+        _check_devices(logits=logits, inv_temperature=inv_temperature, seed=seed)
+    else:
+        _check_devices(logits=logits, inv_temperature=inv_temperature)
+        _check(0 <= seed < 2**63, lambda: f"seed must be in [0, 2**63), got {seed}")
     return _launch(logits, inv_temperature.contiguous(), seed)
 
 
@@ -111,7 +120,7 @@ def _check_logits(logits: torch.Tensor) -> None:
            lambda: f"rows wider than {_ARGMAX_MAX_CHUNKS * _ARGMAX_BLOCK} are not supported")
 
 
-def _launch(logits: torch.Tensor, inv_temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
+def _launch(logits: torch.Tensor, inv_temperature: torch.Tensor | None, seed: int | torch.Tensor) -> torch.Tensor:
     rows, width = logits.shape
     block = min(_ARGMAX_BLOCK, max(4, triton.next_power_of_2(width)))
     num_chunks = triton.cdiv(width, block)
@@ -124,6 +133,7 @@ def _launch(logits: torch.Tensor, inv_temperature: torch.Tensor | None, seed: in
     partial_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, num_chunks)](
         logits, out, partial_val, partial_idx, counters, width, logits.stride(0), inv_temperature, seed,
-        BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4,
+        BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(num_chunks), SEED_IN_MEMORY=isinstance(seed, torch.Tensor),
+        num_warps=4,
     )
     return out

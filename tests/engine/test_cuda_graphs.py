@@ -1,8 +1,6 @@
 """Decode graphs' padded static-buffer path on the CPU (the capture itself is in test_gpu.py),
 bucket choice, KV sizing settings and the warmup."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from paged import peaky_tiny
@@ -145,11 +143,11 @@ def test_engine_tokens_with_padded_decode_graphs(tiny):
 
 
 @torch.inference_mode()
-def test_bf16_graph_logits_are_the_heads_own_product():
+def test_bf16_graphs_keep_the_heads_logits_and_draw_direct_rows():
     """A bf16 model's graphs keep their logits in bf16, written by the head with no widening copy: the
-    eager path's fp32 logits to the bit. Batches of greedy and temperature-alone rows (unseeded) take
-    their tokens from the bf16 rows directly; with a seeded and a penalized row the sampler widens
-    them; either way the tokens are the eager engine's."""
+    eager path's fp32 logits to the bit. A batch of greedy and temperature-alone rows (unseeded) takes
+    its tokens from the graph's own draw; one with a seeded and a penalized row too samples from the
+    graph's logits; either way the tokens are the eager engine's."""
     model, config = peaky_tiny(dtype=torch.bfloat16)
     hidden = torch.randn(3, config.hidden_size, dtype=torch.bfloat16)
     out = torch.empty(3, config.vocab_size, dtype=model.logits_dtype)
@@ -158,18 +156,18 @@ def test_bf16_graph_logits_are_the_heads_own_product():
     extras = [{}, {"temperature": 0.7}, {"temperature": 0.8, "seed": 3}, {"repetition_penalty": 1.3}]
     samplings = [SamplingParams(max_tokens=6, ignore_eos=True, **{"temperature": 0.0, **extra}) for extra in extras]
 
-    def tokens(graphed: bool, kinds: int) -> tuple[dict[str, list[int]], set[torch.dtype]]:
+    def tokens(graphed: bool, kinds: int) -> tuple[dict[str, list[int]], list]:
         core = tiny_core((model, config), dtype="bfloat16")
+        draws = []
         if graphed:
-            core.runner.decode_graphs = padded_graphs(core)
-        seen = set()
-        sample_argmax = core.runner.sampler.ops.sample_argmax
+            graphs = core.runner.decode_graphs = padded_graphs(core)
+            run = graphs.run
 
-        def spy(logits, *args):
-            seen.add(logits.dtype)
-            return sample_argmax(logits, *args)
+            def spy(seqs, carried=None, draw=None):
+                draws.append(draw)
+                return run(seqs, carried, draw)
 
-        core.runner.sampler.ops = SimpleNamespace(argmax=core.runner.sampler.ops.argmax, sample_argmax=spy)
+            graphs.run = spy
         torch.manual_seed(0)  # the unseeded row's noise
         for i, sampling in enumerate(samplings[:kinds]):
             core.add_request(GenerateRequest(f"r{i}", list(range(3 * i, 3 * i + 5 + i)), sampling))
@@ -177,12 +175,13 @@ def test_bf16_graph_logits_are_the_heads_own_product():
         while core.has_work():
             for frame in core.step():
                 out.setdefault(frame.request_id, []).extend(frame.token_ids)
-        return out, seen
+        return out, draws
 
-    direct, direct_dtypes = tokens(graphed=True, kinds=2)
-    assert direct == tokens(graphed=False, kinds=2)[0] and torch.bfloat16 in direct_dtypes
-    mixed, mixed_dtypes = tokens(graphed=True, kinds=4)
-    assert mixed == tokens(graphed=False, kinds=4)[0] and mixed_dtypes == {torch.float32}
+    direct, draws = tokens(graphed=True, kinds=2)
+    assert direct == tokens(graphed=False, kinds=2)[0]
+    assert len(draws) == 5 and all(d.inv_temperature == [0.0, 1 / 0.7] and d.seed for d in draws)
+    mixed, draws = tokens(graphed=True, kinds=4)
+    assert mixed == tokens(graphed=False, kinds=4)[0] and draws == [None] * 5
 
 
 def test_warmup_leaves_no_work_and_no_counts(tiny):

@@ -451,6 +451,65 @@ def test_greedy_and_unseeded_temperature_rows_take_one_kernel():
     assert calls == []
 
 
+@pytest.mark.parametrize(
+    "seq,inv_temperature",
+    [
+        (Seq(SamplingParams(temperature=0.0, top_k=3, seed=1), generator=seeded(1)), [0.0]),  # greedy ignores both
+        (Seq(SamplingParams(temperature=0.5)), [2.0]),
+        (Seq(SamplingParams(temperature=0.5, seed=1), generator=seeded(1)), None),
+        (Seq(SamplingParams(temperature=0.5, top_p=0.9)), None),
+        (Seq(SamplingParams(temperature=0.5, logprobs=1)), None),
+        (Seq(SamplingParams(temperature=0.5, logit_bias={3: 1.0})), None),
+        (Seq(SamplingParams(temperature=0.5, presence_penalty=0.5)), None),
+    ],
+)
+def test_direct_draw_is_what_sample_does(seq, inv_temperature):
+    """Rows that are greedy or at a temperature alone, with nothing applied to their logits, get a
+    DirectDraw (one row decides for the batch): sample_argmax with it picks the tokens the sampler
+    does from the same state of torch's generator, from bf16 logits unwidened; other batches get None."""
+    sampler = Sampler(EOS)
+    seqs = [Seq(SamplingParams(temperature=0.0)), seq]
+    torch.manual_seed(4)
+    draw = sampler.direct_draw(seqs)
+    if inv_temperature is None:
+        assert draw is None
+        return
+    assert draw.inv_temperature == [0.0, *inv_temperature] and (draw.seed != 0) == any(inv_temperature)
+    logits = random_logits(2).bfloat16()
+    tokens = reference.sample_argmax(logits, torch.tensor(draw.inv_temperature), draw.seed)
+    dtypes = []
+
+    class Spy:
+        def argmax(self, logits):
+            dtypes.append(logits.dtype)
+            return reference.argmax(logits)
+
+        def sample_argmax(self, logits, inv_temperature, seed):
+            dtypes.append(logits.dtype)
+            return reference.sample_argmax(logits, inv_temperature, seed)
+
+    torch.manual_seed(4)
+    assert Sampler(EOS, Spy())(logits.clone(), seqs).token_ids == tokens.tolist() and dtypes == [torch.bfloat16]
+
+
+def test_narrow_logits_are_widened_where_a_row_needs_more():
+    """bf16 logits with a penalized row: the sampler works on their fp32 widening (the penalty's
+    arithmetic as on fp32 logits), the direct rows' kernel too."""
+    dtypes = []
+
+    class Spy:
+        def sample_argmax(self, logits, inv_temperature, seed):
+            dtypes.append(logits.dtype)
+            return reference.sample_argmax(logits, inv_temperature, seed)
+
+    logits = random_logits(2).bfloat16()
+    seqs = [Seq(SamplingParams(temperature=0.5)), Seq(SamplingParams(temperature=0.0, repetition_penalty=1.5), [9])]
+    torch.manual_seed(1)
+    want = Sampler(EOS)(logits.float(), seqs).token_ids
+    torch.manual_seed(1)
+    assert Sampler(EOS, Spy())(logits, seqs).token_ids == want and dtypes == [torch.float32]
+
+
 def test_logits_must_match_the_batch():
     with pytest.raises(ValueError, match="do not match 2 sequences"):
         Sampler(EOS)(torch.zeros(3, VOCAB), [Seq(SamplingParams())] * 2)

@@ -78,6 +78,18 @@ def test_sample_argmax_rows_at_zero_are_the_argmax_and_a_seed_repeats(ops):
         assert any(not torch.equal(o, tokens[~greedy]) for o in others)  # the noise moves the draws
 
 
+def test_sample_argmax_seed_tensor_and_bf16_rows(ops):
+    """A one-element int64 seed tensor draws what its value as an int does, and bf16 rows give the
+    tokens of their fp32 widening (the kernel widens each value it loads)."""
+    width = 4096 + 9
+    logits = torch.randn(4, width, generator=torch.Generator().manual_seed(5)).bfloat16()
+    inv_temperature = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    for sample_argmax in (ops.sample_argmax, reference.sample_argmax):
+        for seed in (7, 2**62 + 1):
+            tokens = sample_argmax(logits.float(), inv_temperature, seed)
+            assert torch.equal(sample_argmax(logits, inv_temperature, torch.tensor([seed])), tokens)
+
+
 def test_sample_argmax_rejects_bad_inputs(ops):
     logits = torch.randn(2, 16)
     with pytest.raises(ValueError, match="inv_temperature has 3 rows, logits 2"):
@@ -86,6 +98,8 @@ def test_sample_argmax_rejects_bad_inputs(ops):
         ops.sample_argmax(logits, torch.ones(2, dtype=torch.float64), 1)
     with pytest.raises(ValueError, match="seed must be in"):
         ops.sample_argmax(logits, torch.ones(2), -1)
+    with pytest.raises(ValueError, match="a seed tensor must hold one int64"):
+        ops.sample_argmax(logits, torch.ones(2), torch.tensor([1, 2]))
 
 
 @gpu
@@ -96,3 +110,11 @@ def test_gpu_sample_argmax():
     tokens = triton_ops.sample_argmax(logits, inv_temperature, 2**62 + 1)
     assert torch.equal(tokens[::2], logits.argmax(-1)[::2])
     assert torch.equal(triton_ops.sample_argmax(logits, inv_temperature, 2**62 + 1), tokens)
+    seed = torch.tensor([3], device="cuda")
+    triton_ops.sample_argmax(logits, inv_temperature, seed)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_ops.sample_argmax(logits, inv_temperature, seed)
+    seed.fill_(2**62 + 1)
+    graph.replay()
+    assert torch.equal(replayed, tokens)  # the seed the tensor holds at replay
