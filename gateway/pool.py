@@ -20,6 +20,7 @@ import contextlib
 import ipaddress
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
 import httpx2
@@ -79,6 +80,17 @@ class EnginePool:
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas if r.ready]
+
+    def unready_summary(self) -> str:
+        """Why no replica takes requests, in a client's 503 (GET /health/ready names each replica and its
+        error): how many are unreachable (breaker open), not polled yet, or answer without being ready
+        (loading, failed, another model shape or replica id)."""
+        if not self.replicas:
+            return "no engine replica is known" + (f" ({self._dns[0]} has no addresses)" if self._dns else "")
+        counts = Counter("unreachable" if not r.breaker.closed else "not polled yet" if r.error is None else "not ready"
+                         for r in self.replicas if not r.ready)
+        return f"{len(self.replicas)} engine replicas, none ready: " + ", ".join(
+            f"{n} {state}" for state, n in sorted(counts.items()))
 
     async def discover(self) -> None:
         """With ``dns``: resolve the name again, add a replica per new address, drop those whose address is gone."""

@@ -173,7 +173,8 @@ class Serving:
             raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
         replicas = self.dispatcher.pool.ready_replicas()
         if not replicas:
-            raise overloaded(503, "no engine replica is ready; retry later", RETRY_AFTER_NO_ENGINE)
+            raise overloaded(503, f"no engine replica is ready ({self.dispatcher.pool.unready_summary()}); retry later",
+                             RETRY_AFTER_NO_ENGINE)
         self._shed(replicas)
         ticket = self.admission.enter()
         self.metrics.in_flight.set(self.admission.requests)

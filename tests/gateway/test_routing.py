@@ -109,6 +109,20 @@ async def test_pool_refuses_a_second_engine_under_the_same_replica_id():
         assert "already used by http://a:1" in pool.replicas[1].error
 
 
+async def test_unready_summary_counts_replicas_by_cause():
+    """What a client's 503 says when no replica is ready: how many replicas, and why, by cause."""
+    async with engine_transport({"b": 503, "c": httpx2.ConnectError("refused")}) as transport:
+        pool = EnginePool(["http://b:1", "http://c:1", "http://e:1"], transport)
+        assert pool.unready_summary() == "3 engine replicas, none ready: 3 not polled yet"
+        for replica in pool.replicas[:2]:
+            await pool._poll(replica)
+        summary = pool.unready_summary()
+        assert summary == "3 engine replicas, none ready: 1 not polled yet, 1 not ready, 1 unreachable"
+        assert EnginePool([], transport).unready_summary() == "no engine replica is known"
+        dns = EnginePool([], transport, dns=("kvgate-engine", 8100))
+        assert dns.unready_summary() == "no engine replica is known (kvgate-engine has no addresses)"
+
+
 async def test_wait_ready_times_out_naming_the_replicas():
     async with engine_transport({"a": 503}) as transport:
         pool = EnginePool(["http://a:1"], transport)

@@ -141,3 +141,6 @@ def test_failover_then_503_when_every_engine_is_gone(spawning_gateway):
         time.sleep(0.1)
     assert ready.json()["status"] == "not_ready"
     assert httpx.get(spawning_gateway.url + "/health").status_code == 200  # alive, just not ready
+    resp = httpx.post(spawning_gateway.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert resp.status_code == 503 and resp.json()["error"]["message"] == (
+        "no engine replica is ready (2 engine replicas, none ready: 2 unreachable); retry later")
