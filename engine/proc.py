@@ -28,7 +28,6 @@ parent, which stops it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import itertools
 import logging
@@ -48,12 +47,12 @@ import structlog
 from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.loop import Abort, Add, Call, Command, EngineLoop, StepOutput, Stop
+from engine.parent import die_with_parent
 from engine.protocol import EngineStats, GenerateRequest, ModelLimits, OutputFrame, ProtocolError
 
 log = structlog.get_logger("engine.proc")
 
 _STOP_JOIN_S = 20.0  # the engine process's stop: a tensor-parallel engine stops its ranks first
-_PR_SET_PDEATHSIG = 1
 
 
 def _pack(message: list) -> bytes:
@@ -263,20 +262,10 @@ class _Pipe:
             os._exit(1)
 
 
-def _die_with(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux; elsewhere the pipe's end stops it)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # it died before the prctl
-        os._exit(1)
-
-
 def _engine_main(config: EngineConfig, make_core: Callable[[], Any] | None, conn: Connection, parent_pid: int,
                  cpu_threads: int, log_level: str) -> None:
     """The engine process: run the loop until Stop, the pipe's end or a failure (exit code 1)."""
-    _die_with(parent_pid)
+    die_with_parent(signal.SIGKILL, parent_pid)  # elsewhere than Linux the pipe's end stops it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level)
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import functools
 import os
 import signal
 import socket
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from engine.parent import die_with_parent
 from engine.protocol import ENGINE_TOKEN_ENV
 
 log = structlog.get_logger("gateway.spawn")
@@ -65,12 +66,6 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a gateway killed with SIGKILL must not leave engines behind."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class EngineProcesses:
     """The spawned engines; ``token`` reaches them in their environment (never on a command line)."""
 
@@ -86,7 +81,8 @@ class EngineProcesses:
             argv = self._spawn.argv(HOST, port, index)
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, env=self._env,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # in the child before exec: a gateway killed with SIGKILL must not leave engines behind
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()),
             )
             self._procs.append(proc)
             self.urls.append(f"http://{HOST}:{port}")

@@ -89,6 +89,30 @@ def test_the_engine_process_ends_with_the_http_process(tmp_path, how):
     assert proc.returncode == -how  # uvicorn raises SIGTERM again once it has shut down
 
 
+PARENT = """
+import functools, os, signal, subprocess, sys, time
+from engine.parent import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_die_with_parent_ties_a_child_to_its_parent():
+    """What a gateway does for the engines it spawns: a child dies with its SIGKILLed parent; and one whose
+    parent is already gone (another pid than it was told) exits at once."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait(timeout=10)
+    assert gone(child)
+    orphan = subprocess.run([sys.executable, "-c", "import signal; from engine.parent import die_with_parent; "
+                             "die_with_parent(signal.SIGTERM, 1); print('alive')"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert (orphan.returncode, orphan.stdout) == (1, "")
+
+
 def test_a_request_crosses_the_pipe_unchanged():
     request = GenerateRequest(
         "r", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.5, seed=-3, stop_token_ids=[4], logprobs=2,
