@@ -188,12 +188,13 @@ class PrefillGraphs:
         """One layer's attention over the step's tokens, from the static inputs to the static output."""
         attn, n = self._step
         meta = attn.group(call.group)
-        out = self._base_ops.paged_attention(
-            self._q[:n], call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q = self._q[:n]
+        self._base_ops.paged_attention(
+            q, call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             call.scale, meta.seq_lens_cpu, meta.query_start_loc_cpu, key=self._k[:n], value=self._v[:n],
             sliding_window=call.sliding_window, k_scale=call.k_scale, v_scale=call.v_scale,
+            out=self._out[:n].view(q.shape),
         )
-        self._out[:n].copy_(out.view(n, -1))
 
     # --- capture -------------------------------------------------------------------------------
     def capture(self) -> None:

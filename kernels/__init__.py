@@ -69,6 +69,7 @@ class KernelOps(Protocol):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,  # like q: where the output goes, instead of a new tensor
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its whole paged context, or with
         ``sliding_window`` W over its last W positions only: a query at position p sees keys
@@ -76,8 +77,8 @@ class KernelOps(Protocol):
         may be anything a valid block id; a window layer's pages before it may be freed).
 
         Covers decode (one new token), chunked prefill (many new tokens after a cached prefix) and
-        mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype;
-        only rows that belong to a sequence are defined. A sequence with ``seq_lens[i] == 0`` and
+        mixed batches of both. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype (``out``
+        when given); only rows that belong to a sequence are defined. A sequence with ``seq_lens[i] == 0`` and
         one query token (a padding row) gets zeros. The ``*_cpu`` lists are optional host copies
         that spare a device sync (pass ``query_start_loc_cpu`` under CUDA graph capture).
         ``key``/``value``, optional, are this step's new K/V rows, already written to the cache:

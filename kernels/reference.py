@@ -51,7 +51,7 @@ def paged_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """On the CPU, a prefill chunk without a window over a non-fp8 cache reads its own keys and values
     from ``key``/``value`` and only the cached prefix from the pages; otherwise they go unread (the
@@ -60,7 +60,7 @@ def paged_attention(
     block_size = k_cache.shape[1]
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     if len(decodes) > 1 and len(decodes) * max(lens[i] for i in decodes) <= BATCHED_DECODE_MAX_KEYS:
         # one padded, masked sdpa call for all single-token sequences

@@ -606,7 +606,7 @@ def paged_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     seq_lens_cpu: list[int] | None = None, query_start_loc_cpu: list[int] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None, sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-token sequences go to the split-K decode kernel, longer ones to the prefill
     kernel (both launch for a mixed batch). With ``key``/``value`` the prefill kernel reads each
@@ -626,7 +626,13 @@ def paged_attention(
             len(query_start_loc_cpu) == num_seqs + 1,
             lambda: f"query_start_loc_cpu has {len(query_start_loc_cpu)} entries, expected {num_seqs + 1}",
         )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        _check_tensor("out", out, 3, (q.dtype,))
+        _check(out.shape == q.shape, lambda: f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        _check_last_dim_contiguous("out", out)
+        _check_devices(q=q, out=out)
     if num_tokens == 0 or num_seqs == 0:
         return out
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()

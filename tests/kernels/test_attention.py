@@ -102,6 +102,22 @@ def test_decode_padding_row_gives_zeros(ops, extra_table_blocks):
     assert_close(out[1], batch.reference_fp32()[1], rtol=ULP[torch.float32])
 
 
+def test_attention_writes_into_out(ops):
+    """``out`` (a view of a wider buffer, as prefill graphs' static output) receives what a new tensor would."""
+    contexts, queries = zip(*MIXED)
+    batch = make_batch(list(contexts), list(queries), group=2, seed=4)
+    want = batch.run(ops.paged_attention)
+    buffer = torch.full((batch.q.shape[0] + 3, batch.q[0].numel()), float("nan"))
+    out = buffer[: batch.q.shape[0]].view(batch.q.shape)
+    got = ops.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, batch.scale, batch.seq_lens_cpu, batch.query_start_loc_cpu,
+                              out=out)
+    assert got is out
+    starts = batch.query_start_loc_cpu
+    rows = [t for start, end in zip(starts, starts[1:]) for t in range(start, end)]
+    assert torch.equal(got[rows], want[rows]) and buffer[batch.q.shape[0]:].isnan().all()
+
+
 def test_attention_rejects_bad_inputs(ops):
     batch = make_batch([5, 9], [1, 1], group=2)
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 1.0)
@@ -124,6 +140,10 @@ def test_attention_rejects_bad_inputs(ops):
         ops.paged_attention(batch.q, *args, key=key, value=value.double())
     with pytest.raises(ValueError, match=r"key must have shape \(2, 2, 32\)"):
         ops.paged_attention(batch.q, *args, key=key[:1], value=value)
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        ops.paged_attention(batch.q, *args, out=batch.q[:1].clone())
+    with pytest.raises(ValueError, match="out must have dtype"):
+        ops.paged_attention(batch.q, *args, out=batch.q.double())
 
 
 # (query-head group, block size, head dim, dtype): the GQA shapes of SmolLM2 (3), Qwen3-0.6B (2)
