@@ -223,7 +223,7 @@ class DecodeGraphs:
 
     def run(self, seqs: Seq[Sequence], carried: CarriedTokens | None = None,
             draw: DirectDraw | None = None) -> DecodeOutput:
-        """Logits and argmax of the next token of each sequence (each has exactly one token to
+        """Logits and token of the next position of each sequence (each has exactly one token to
         compute, its draft if q > 1, and its blocks allocated); row ``i * q + j`` is sequence ``i``'s
         ``j``-th query token. Writes their K/V into the cache. The outputs are views of static
         buffers: valid until the next ``run``. ``carried`` (q == 1): the sequences whose token is
