@@ -57,9 +57,12 @@ def _argmax_kernel(
         x3 = tl.load(row_ptr + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < width, other=float("-inf")).to(tl.float32)
         inv_temp = tl.load(inv_temp_ptr + row)
         if inv_temp > 0:
+            # New names: a runtime branch may not give ``seed`` (a pointer, with SEED_IN_MEMORY) another type.
+            offsets = row.to(tl.int64) * width + cols
             if SEED_IN_MEMORY:
-                seed = tl.load(seed)
-            u0, u1, u2, u3 = tl.rand4x(seed, row.to(tl.int64) * width + cols)
+                u0, u1, u2, u3 = tl.rand4x(tl.load(seed), offsets)
+            else:
+                u0, u1, u2, u3 = tl.rand4x(seed, offsets)
             x0 = _gumbel(x0, inv_temp, u0)
             x1 = _gumbel(x1, inv_temp, u1)
             x2 = _gumbel(x2, inv_temp, u2)
