@@ -14,12 +14,14 @@ a decode step's draw at a temperature (see ``bench_sampler``).
 
     python3 benchmarks/kernels_bench.py [--block-size 16] [--sweep] [--only GROUP]
 
-``--sweep`` also times alternative attention tile shapes, to tune ``attention_tiles``.
+``--sweep`` also times alternative attention tile shapes (and the fused decode's split counts), to tune
+``attention_tiles`` and ``decode_num_splits``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -56,6 +58,10 @@ FUSED_DECODE_CONTEXTS = (128, 640, 2048, 8192)  # past a shape's capacity, the t
 GRAPH_LAYER_CALLS = 10  # calls per captured graph, as a model's layers: the graph launch amortizes
 GRAPH_REPLAYS = 1000
 DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
+# Split counts the fused decode sweep tries past batch 1. At batch 64 of Llama 3 8B's shape the chosen
+# tiles (64 keys, 4 warps, 2 stages) take 160-167 registers (ptxas for sm_90, offline: 3 programs an
+# SM) and 2 splits: 1,024 programs, 2.6 waves; 32-key tiles take 128 (4 an SM): 1 split is one wave.
+FUSED_DECODE_SWEEP_SPLITS = (1, 2, 4, 8)
 PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 3)]
 
 
@@ -245,8 +251,10 @@ def decode_cache(batch: int, num_kv_heads: int, head_dim: int, capacity: int, co
     return k_cache, v_cache, tables, slots, positions, seq_lens
 
 
-def bench_fused_decode(block_size: int, sweep: bool) -> None:
-    """One attention layer of a decode step, both ways, under CUDA graphs."""
+def bench_fused_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
+    """One attention layer of a decode step, both ways, under CUDA graphs; with ``sweep``, the fused
+    kernel at each tile shape of DECODE_SWEEP and, past batch 1, each split count of
+    FUSED_DECODE_SWEEP_SPLITS, against the bytes of its K/V reads."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape, (num_heads, num_kv_heads, head_dim, max_model_len) in FUSED_DECODE_SHAPES.items():
         for batch in FUSED_DECODE_BATCHES:
@@ -288,11 +296,17 @@ def bench_fused_decode(block_size: int, sweep: bool) -> None:
                     max_abs_err=max_abs_err(fused(), three_launches()),
                 )
                 if sweep:
-                    for block_n, num_warps, num_stages in DECODE_SWEEP:
+                    kv_us = batch * context * num_kv_heads * head_dim * 2 * ELEMENT / bandwidth * 1e6
+                    for (block_n, num_warps, num_stages), alt_splits in itertools.product(
+                        DECODE_SWEEP, FUSED_DECODE_SWEEP_SPLITS if batch > 1 else (splits,)
+                    ):
                         alt = attention.AttentionTiles(1, block_n, num_warps, num_stages)
+                        us = graph_us_per_call(with_tiles(kind, alt, patched("decode_num_splits",
+                                                                             lambda *_, n=alt_splits: n, fused)))
                         emit(
                             bench="fused_decode_attention_sweep", shape=shape, batch=batch, context=context,
-                            tiles=list(alt), fused_us=round(graph_us_per_call(with_tiles(kind, alt, fused)), 2),
+                            tiles=list(alt), num_splits=alt_splits, fused_us=round(us, 2),
+                            kv_bytes_fraction=round(kv_us / us, 3),
                         )
 
 
@@ -767,7 +781,7 @@ def main() -> None:
     bandwidth = args.bandwidth
     groups = {
         "decode": lambda: bench_decode(args.block_size, bandwidth, args.sweep),
-        "fused_decode": lambda: bench_fused_decode(args.block_size, args.sweep),
+        "fused_decode": lambda: bench_fused_decode(args.block_size, bandwidth, args.sweep),
         "prefill": lambda: bench_prefill(args.block_size, bandwidth, args.sweep),
         "small_ops": lambda: bench_small_ops(args.block_size, bandwidth),
         "gemv": lambda: bench_gemv(bandwidth, args.sweep),
