@@ -93,8 +93,7 @@ def _t(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
 def _cache(blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """(k_cache, v_cache, k_scale, v_scale): scales for an fp8 cache, else None."""
     scales = (torch.ones(kv_heads), torch.ones(kv_heads)) if dtype == FP8 else (None, None)
-    return _t(blocks, block_size, kv_heads, head_dim, dtype=dtype), _t(blocks, block_size, kv_heads, head_dim,
-                                                                        dtype=dtype), *scales
+    return (*(_t(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)), *scales)
 
 
 def attention_cases(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
