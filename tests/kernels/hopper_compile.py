@@ -10,14 +10,25 @@ count are the H100's. Each case calls one op in the configurations the engine us
 fp32 activations, fp8 caches and weights, windows, q/k norms, split-K, the batch-1 forms). Prints
 the kernels compiled, one line each; any failure raises.
 
-    python tests/kernels/hopper_compile.py      (TRITON_INTERPRET unset)
+``--resources``: instead, the decode step's kernels at the engine's shapes and batch sizes (see
+``RESOURCE_CASES``), one JSON line each (``loadtest.stamp.emit``): registers and spills (ptxas -v),
+shared memory, programs an SM holds by each, the launch's programs and the waves they take on 132
+SMs. These are what the compiler decides, not timings: where a kernel runs below its roofline with
+programs to spare, its occupancy is the first suspect.
+
+    python tests/kernels/hopper_compile.py [--resources]     (TRITON_INTERPRET unset)
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +36,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime import driver
@@ -32,9 +44,18 @@ from triton.runtime.jit import JITFunction
 
 from kernels import QKNorm, triton_ops
 from kernels.triton_ops import _checks, attention, fp8, fused_decode, gemv
+from loadtest.stamp import emit
 
 H100_SMS = 132
+SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS, SM_MAX_PROGRAMS = 65536, 227 * 1024, 64, 32
 BF16, FP32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+
+
+class Launch(NamedTuple):
+    """A compiled kernel and the grid the wrapper launched it with."""
+
+    kernel: object  # triton's CompiledKernel
+    grid: tuple[int, ...]
 
 
 class OfflineHopper(DriverBase):
@@ -63,15 +84,15 @@ class OfflineHopper(DriverBase):
         return 0
 
 
-def compile_only() -> list[str]:
-    """Install the offline driver and turn launches into compiles; returns the list the compiled
-    kernels' names are appended to."""
-    compiled: list[str] = []
+def compile_only() -> list[Launch]:
+    """Install the offline driver and turn launches into compiles; returns the list each launch's
+    compiled kernel is appended to."""
+    compiled: list[Launch] = []
     run = JITFunction.run
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append(kernel.name)
+        compiled.append(Launch(kernel, tuple(grid)))
         return kernel
 
     driver.set_active(OfflineHopper())
@@ -178,12 +199,86 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
+def decode_step(shape: str, batch: int, context: int) -> None:
+    """One decode step's kernels at a model's shape: the fused decode attention (its tiles and splits
+    as the engine picks them, the block table at the shape's max_model_len) and, at batch 1, the
+    bf16 and fp8 GEMVs of a layer's four projections."""
+    heads, kv_heads, head_dim, hidden, inter, max_model_len = RESOURCE_SHAPES[shape]
+    k_cache, v_cache, _, _ = _cache(256, 16, kv_heads, head_dim, BF16)
+    tables = torch.zeros(batch, max_model_len // 16, dtype=torch.int32)
+    qkv = _t(batch, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    lens = [context] * batch
+    triton_ops.decode_attention(
+        torch.tensor(lens) - 1, q.view(batch, heads, head_dim), k.view(batch, kv_heads, head_dim),
+        v.view(batch, kv_heads, head_dim), triton_ops.rope_cos_sin_cache(head_dim, context, 1e6, dtype=BF16),
+        k_cache, v_cache, torch.arange(batch), tables, torch.tensor(lens, dtype=torch.int32), head_dim**-0.5, lens,
+    )
+    if batch == 1:
+        for weight_dtype in (BF16, FP8):
+            projections(heads * head_dim, kv_heads * head_dim, hidden, inter, weight_dtype)
+
+
+def projections(q_width: int, kv_width: int, hidden: int, inter: int, weight_dtype: torch.dtype) -> None:
+    """A batch-1 layer's four projections as the model runs them (the norms fused into qkv and gate_up)."""
+    def weight(rows: int, columns: int) -> dict:
+        scale = dict(weight_scale=torch.ones(rows)) if weight_dtype == FP8 else {}
+        return dict(weight=_t(rows, columns, dtype=weight_dtype), **scale)
+
+    x, norm = _t(1, hidden), _t(hidden)
+    triton_ops.norm_linear(x, norm, 1e-6, _t(1, hidden), **weight(q_width + 2 * kv_width, hidden))
+    triton_ops.linear(_t(1, q_width), **weight(hidden, q_width))
+    triton_ops.norm_linear(x, norm, 1e-6, _t(1, hidden), gated=True, **weight(2 * inter, hidden))
+    triton_ops.linear(_t(1, inter), **weight(hidden, inter))
+
+
+# heads, kv heads, head_dim, hidden, intermediate, max_model_len (as benchmarks/gpu_bench.py runs them)
+RESOURCE_SHAPES = {
+    "smollm2-135m": (9, 3, 64, 576, 1536, 2048),
+    "qwen3-0.6b": (16, 8, 128, 1024, 3072, 4096),
+    "llama3-8b": (32, 8, 128, 4096, 14336, 8192),
+}
+RESOURCE_CASES = [(shape, batch, 640) for shape in RESOURCE_SHAPES for batch in (1, 64, 256)]
+
+
+def resources(launch: Launch) -> dict:
+    """What ptxas decides for a compiled kernel, and what that leaves an SM."""
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(launch.kernel.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report)[1])
+    spill_stores = int(re.search(r"(\d+) bytes spill stores", report)[1])
+    warps = launch.kernel.metadata.num_warps
+    shared = launch.kernel.metadata.shared
+    by_registers = SM_REGISTERS // (-(-registers // 8) * 8 * 32 * warps)
+    by_shared = SM_SHARED_BYTES // shared if shared else SM_MAX_PROGRAMS
+    per_sm = min(by_registers, by_shared, SM_MAX_WARPS // warps, SM_MAX_PROGRAMS)
+    programs = 1
+    for size in launch.grid:
+        programs *= size
+    return dict(kernel=launch.kernel.name, grid=list(launch.grid), num_warps=warps, registers=registers,
+                spill_stores=spill_stores, shared_bytes=shared, programs_per_sm_by_registers=by_registers,
+                programs_per_sm_by_shared=by_shared, programs_per_sm=per_sm, programs=programs,
+                waves=round(programs / (H100_SMS * per_sm), 2))
+
+
 def main() -> None:
     compiled = compile_only()
+    if "--resources" in sys.argv[1:]:
+        for shape, batch, context in RESOURCE_CASES:
+            before = len(compiled)
+            decode_step(shape, batch, context)
+            for launch in compiled[before:]:
+                emit(bench="kernel_resources", target="sm_90a", triton=triton.__version__, shape=shape, batch=batch,
+                     context=context, **resources(launch))
+        return
     for name, case in CASES.items():
         before = len(compiled)
         case()
-        print(f"{name}: {', '.join(sorted(set(compiled[before:])))}", flush=True)
+        print(f"{name}: {', '.join(sorted({launch.kernel.name for launch in compiled[before:]}))}", flush=True)
 
 
 if __name__ == "__main__":
