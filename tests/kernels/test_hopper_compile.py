@@ -3,6 +3,7 @@ of its own (there the kernels are compiled, not interpreted), with the ptxas of 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,3 +26,20 @@ def test_every_kernel_compiles_for_hopper():
     kernels = {name for source in (ROOT / "kernels" / "triton_ops").glob("*.py")
                for name in re.findall(r"^@triton\.jit.*\ndef (_\w+_kernel)\(", source.read_text(), re.M)}
     assert len(kernels) >= 13 and compiled == kernels
+
+
+@pytest.mark.slow
+def test_resources_report_each_decode_kernel():
+    """``--resources``: a JSON line per launch of each decode step case, with what ptxas decided."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--resources"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {(r["shape"], r["batch"]) for r in records} == {(s, b) for s in ("smollm2-135m", "qwen3-0.6b", "llama3-8b")
+                                                          for b in (1, 64, 256)}
+    for r in records:
+        assert r["registers"] > 0 and r["programs_per_sm"] >= 1 and r["waves"] == round(
+            r["programs"] / (132 * r["programs_per_sm"]), 2)
+    fused = [r for r in records if r["kernel"] == "_fused_decode_kernel"]
+    assert len(fused) == 9 and all(r["grid"][0] == r["batch"] for r in fused)  # a program row per sequence
