@@ -57,10 +57,12 @@ FUSED_DECODE_BATCHES = (1, 64)
 FUSED_DECODE_CONTEXTS = (128, 640, 2048, 8192)  # past a shape's capacity, the table widens to the context
 GRAPH_LAYER_CALLS = 10  # calls per captured graph, as a model's layers: the graph launch amortizes
 GRAPH_REPLAYS = 1000
-DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
+# (block_n, num_warps, num_stages[, max_registers])
+DECODE_SWEEP = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (64, 4, 2, 128)]
 # Split counts the fused decode sweep tries past batch 1. At batch 64 of Llama 3 8B's shape the chosen
 # tiles (64 keys, 4 warps, 2 stages) take 160-167 registers (ptxas for sm_90, offline: 3 programs an
-# SM) and 2 splits: 1,024 programs, 2.6 waves; 32-key tiles take 128 (4 an SM): 1 split is one wave.
+# SM) and 2 splits: 1,024 programs, 2.6 waves; 32-key tiles take 128 (4 an SM): 1 split is one wave;
+# capped at 128 (DECODE_SWEEP's last) the 64-key tiles spill 92 bytes (kernel_resources_sm90.jsonl's method).
 FUSED_DECODE_SWEEP_SPLITS = (1, 2, 4, 8)
 PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 3)]
 
@@ -201,8 +203,8 @@ def bench_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
                 tiles=list(tiles),
             )
             if sweep:
-                for block_n, num_warps, num_stages in DECODE_SWEEP:
-                    alt = attention.AttentionTiles(1, block_n, num_warps, num_stages)
+                for tile in DECODE_SWEEP:
+                    alt = attention.AttentionTiles(1, *tile)
                     us = time_us(with_tiles("decode", alt, lambda: triton_ops.paged_attention(*args)))
                     roofline_us = attention_bytes(contexts, queries) / bandwidth * 1e6
                     emit(
@@ -297,10 +299,10 @@ def bench_fused_decode(block_size: int, bandwidth: float, sweep: bool) -> None:
                 )
                 if sweep:
                     kv_us = batch * context * num_kv_heads * head_dim * 2 * ELEMENT / bandwidth * 1e6
-                    for (block_n, num_warps, num_stages), alt_splits in itertools.product(
+                    for tile, alt_splits in itertools.product(
                         DECODE_SWEEP, FUSED_DECODE_SWEEP_SPLITS if batch > 1 else (splits,)
                     ):
-                        alt = attention.AttentionTiles(1, block_n, num_warps, num_stages)
+                        alt = attention.AttentionTiles(1, *tile)
                         us = graph_us_per_call(with_tiles(kind, alt, patched("decode_num_splits",
                                                                              lambda *_, n=alt_splits: n, fused)))
                         emit(

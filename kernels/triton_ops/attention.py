@@ -365,6 +365,7 @@ class AttentionTiles(NamedTuple):
     block_n: int  # keys per step
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # per thread (ptxas's maxnreg): fewer spill, more programs fit an SM
 
 
 def attention_tiles(kind: str, head_dim_pad: int, dtype: torch.dtype) -> AttentionTiles:
@@ -565,7 +566,7 @@ def _launch_split_k_decode(
         GROUP=group, GROUP_PAD=_dot_pad(group),
         HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_N=tiles.block_n, SPLIT=split, **_dot_args(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.max_registers,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -597,7 +598,7 @@ def _launch_prefill(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, MIN_Q_LEN=min_q_len, SLIDING=window > 0,
         **_dot_args(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.max_registers,
     )
 
 

@@ -353,6 +353,6 @@ def decode_attention(
         MERGED_SPLITS=merged_splits, MERGE_CHUNK=merged_splits if one else _FUSED_DECODE_MERGE_CHUNK,
         LONG_SPLIT_TOKENS=_FUSED_DECODE_LONG_SPLIT_TOKENS, PREFETCH_FIRST=one,
         **_dot_args(q.dtype), **_pdl_args(q.device), HAS_NORM=qk_norm is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.max_registers,
     )
     return out
