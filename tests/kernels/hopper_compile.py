@@ -7,8 +7,8 @@ wrappers run on CPU tensors as they would on an H100: Triton's driver names an s
 launch is turned into a compile (``JITFunction.run`` with ``warmup``: nothing runs), the wrappers'
 device checks accept the CPU tensors, and programmatic dependent launch and the multiprocessor
 count are the H100's. Each case calls one op in the configurations the engine uses (bf16 and
-fp32 activations, fp8 caches and weights, windows, q/k norms, split-K, the batch-1 forms). Prints
-the kernels compiled, one line each; any failure raises.
+fp32 activations, fp8 caches and weights, windows, q/k norms, split-K, the batch-1 forms). Prints,
+a line per case, the kernels it compiled; any failure raises.
 
 ``--resources``: instead, the decode step's kernels at the engine's shapes and batch sizes (see
 ``RESOURCE_CASES``), one JSON line each (``loadtest.stamp.emit``): registers and spills (ptxas -v),
