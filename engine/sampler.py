@@ -61,9 +61,9 @@ class Sampler:
     narrower logits (a CUDA graph's bf16 buffer), which the sampler widens to fp32 first unless every
     row takes its token from them directly (greedy or at a temperature alone, nothing applied
     before). It uses them as scratch space, so their contents are undefined after a call. A row
-    with a ``generator`` draws exactly ``vocab`` uniforms from it per call, so a seeded request gets the same tokens
-    whatever else is in the batch and wherever its row is; unseeded rows draw from torch's default
-    generator (directly, or through the seed of ``sample_argmax``'s noise). Stateless apart from
+    with a ``generator`` draws exactly ``vocab`` uniforms from it per call, so a seeded request gets
+    the same tokens whatever else is in the batch and wherever its row is; unseeded rows draw from
+    torch's default generator (directly, or through the seed of ``sample_argmax``'s noise). Stateless apart from
     the EOS ids and the grammar masks' buffer: one instance may serve any number of steps, one at a
     time. ``ops``: the op set whose ``argmax``/``sample_argmax`` run the direct rows.
     """

@@ -104,12 +104,12 @@ def sample_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
     _check_tensor("inv_temperature", inv_temperature, 1, (torch.float32,))
     _check(inv_temperature.shape[0] == logits.shape[0],
            lambda: f"inv_temperature has {inv_temperature.shape[0]} rows, logits {logits.shape[0]}")
+    _check_devices(logits=logits, inv_temperature=inv_temperature)
     if isinstance(seed, torch.Tensor):
         _check(seed.dtype == torch.int64 and seed.numel() == 1,
                lambda: f"a seed tensor must hold one int64, got {seed.dtype} of shape {tuple(seed.shape)}")
-        _check_devices(logits=logits, inv_temperature=inv_temperature, seed=seed)
+        _check_devices(logits=logits, seed=seed)
     else:
-        _check_devices(logits=logits, inv_temperature=inv_temperature)
         _check(0 <= seed < 2**63, lambda: f"seed must be in [0, 2**63), got {seed}")
     return _launch(logits, inv_temperature.contiguous(), seed)
 

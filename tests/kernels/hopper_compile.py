@@ -21,7 +21,6 @@ programs to spare, its occupancy is the first suspect.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import subprocess
@@ -241,13 +240,15 @@ RESOURCE_SHAPES = {
 RESOURCE_CASES = [(shape, batch, 640) for shape in RESOURCE_SHAPES for batch in (1, 64, 256)]
 
 
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")  # Triton's own
+
+
 def resources(launch: Launch) -> dict:
     """What ptxas decides for a compiled kernel, and what that leaves an SM."""
-    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(launch.kernel.asm["ptx"])
         ptx.flush()
-        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
+        report = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report)[1])
     spill_stores = int(re.search(r"(\d+) bytes spill stores", report)[1])

@@ -16,12 +16,17 @@ SCRIPT = Path(__file__).with_name("hopper_compile.py")
 ROOT = SCRIPT.parents[2]
 
 
+def run_script(*args: str) -> str:
+    """hopper_compile.py's output, run without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_every_kernel_compiles_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    compiled = {name for line in done.stdout.splitlines() for name in line.partition(": ")[2].split(", ")}
+    compiled = {name for line in run_script().splitlines() for name in line.partition(": ")[2].split(", ")}
     # every kernel of the op set has a case (a new one without fails here)
     kernels = {name for source in (ROOT / "kernels" / "triton_ops").glob("*.py")
                for name in re.findall(r"^@triton\.jit.*\ndef (_\w+_kernel)\(", source.read_text(), re.M)}
@@ -31,11 +36,7 @@ def test_every_kernel_compiles_for_hopper():
 @pytest.mark.slow
 def test_resources_report_each_decode_kernel():
     """``--resources``: a JSON line per launch of each decode step case, with what ptxas decided."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--resources"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    records = [json.loads(line) for line in done.stdout.splitlines()]
+    records = [json.loads(line) for line in run_script("--resources").splitlines()]
     assert {(r["shape"], r["batch"]) for r in records} == {(s, b) for s in ("smollm2-135m", "qwen3-0.6b", "llama3-8b")
                                                           for b in (1, 64, 256)}
     for r in records:
